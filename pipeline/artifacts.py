@@ -1,0 +1,206 @@
+"""The typed artifacts that flow along the edges of the step graphs.
+
+Stages declare which of these types they require and the one they provide; the graph
+wires them by type. Everything that crosses the engine/worker boundary
+(:class:`SchedulerOutput`, :class:`WorkerOutput`) is a frozen attrs class of plain
+values that msgspec encodes without pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from pipeline.config import SamplingParams
+from pipeline.request import RequestOutput
+
+__all__ = [
+    "EngineStepOutput",
+    "FanInOutput",
+    "KVStats",
+    "LoadStarted",
+    "MetadataBound",
+    "ModelOutput",
+    "PendingWorkerOutputs",
+    "SaveResult",
+    "SampledTokens",
+    "ScheduledRequest",
+    "SchedulerOutput",
+    "WorkerOutput",
+]
+
+
+@attrs.frozen(kw_only=True)
+class ScheduledRequest:
+    """One request's share of a step, as the worker needs it.
+
+    Attributes:
+        req_id: The request id.
+        token_ids: The tokens to compute this step, i.e.
+            ``all_token_ids[num_computed_tokens : num_computed_tokens + len(token_ids)]``.
+        num_computed_tokens: Position of ``token_ids[0]``; the KV of every earlier
+            position is already in the request's blocks.
+        block_ids: When ``new``: the request's whole block table. Otherwise: the blocks
+            appended to its table since the previous step (often empty).
+        new: The worker (re)creates this request's state: first schedule, or resumed
+            after preemption.
+        sampling: The request's sampling parameters (always sent; small and immutable).
+        sample: Whether a token is sampled after this chunk (it reaches the last known
+            token); ``False`` for a non-final prefill chunk.
+        num_output_tokens: Tokens generated so far: the index of the token that a sample
+            produces, which seeds per-request sampling deterministically.
+    """
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    num_computed_tokens: int
+    block_ids: tuple[int, ...]
+    new: bool
+    sampling: SamplingParams
+    sample: bool
+    num_output_tokens: int
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerOutput:
+    """What the scheduler decided for one step; the input of every worker graph.
+
+    Attributes:
+        step_id: Monotonic step number of this engine.
+        requests: The scheduled requests, in batch order.
+        finished_req_ids: Requests that ended (finished, aborted, preempted) since the
+            previous step; workers drop their per-request state.
+        kv_connector_metadata: The connector's metadata for this step, or ``None``
+            without a connector. Encoded to bytes when it crosses a process boundary.
+    """
+
+    step_id: int
+    requests: tuple[ScheduledRequest, ...] = ()
+    finished_req_ids: frozenset[str] = frozenset()
+    kv_connector_metadata: Any = None
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@attrs.frozen
+class MetadataBound:
+    """Marker: the connector metadata of this step is bound on this rank."""
+
+    bound: bool = False
+
+
+@attrs.frozen
+class LoadStarted:
+    """Marker: the connector's loads for this step have been started on this rank."""
+
+    started: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class ModelOutput:
+    """Logits of the rows to sample, in the order of ``req_ids``."""
+
+    req_ids: tuple[str, ...]
+    logits: Any  # torch.Tensor [len(req_ids), vocab]; Any keeps this module torch-free
+    num_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class SampledTokens:
+    """One sampled token per request that sampled this step."""
+
+    token_ids: dict[str, int] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class KVStats:
+    """Connector traffic of one step on one rank (summed across ranks by fan-in)."""
+
+    loaded_tokens: int = 0
+    loaded_bytes: int = 0
+    saved_tokens: int = 0
+    saved_bytes: int = 0
+
+    def __add__(self, other: KVStats) -> KVStats:
+        return KVStats(
+            loaded_tokens=self.loaded_tokens + other.loaded_tokens,
+            loaded_bytes=self.loaded_bytes + other.loaded_bytes,
+            saved_tokens=self.saved_tokens + other.saved_tokens,
+            saved_bytes=self.saved_bytes + other.saved_bytes,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class SaveResult:
+    """Marker + data: ``wait_for_save`` returned on this rank."""
+
+    failed_req_ids: frozenset[str] = frozenset()
+
+
+@attrs.frozen(kw_only=True)
+class WorkerOutput:
+    """One rank's result of one step.
+
+    Attributes:
+        rank: The rank that produced it.
+        step_id: The step it belongs to.
+        sampled_token_ids: Tokens sampled this step (driver rank only; others empty).
+        finished_sending: Requests whose KV this rank finished sending.
+        finished_recving: Requests whose KV this rank finished receiving.
+        invalid_block_ids: Blocks whose KV failed to load on this rank.
+        failed_save_req_ids: Requests whose KV failed to save on this rank.
+        stats: Connector traffic of this step on this rank.
+    """
+
+    rank: int
+    step_id: int
+    sampled_token_ids: dict[str, int] = attrs.field(factory=dict)
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
+    invalid_block_ids: frozenset[int] = frozenset()
+    failed_save_req_ids: frozenset[str] = frozenset()
+    stats: KVStats = attrs.field(factory=KVStats)
+
+
+@attrs.frozen(kw_only=True)
+class PendingWorkerOutputs:
+    """The executor's handles for one step: one awaitable per rank (awaited by fan-in)."""
+
+    step_id: int
+    waiters: tuple[Any, ...]  # tuple of zero-argument async callables returning WorkerOutput
+
+
+@attrs.frozen(kw_only=True)
+class FanInOutput:
+    """All ranks' outputs of one step merged (associative, order-free)."""
+
+    step_id: int
+    sampled_token_ids: dict[str, int] = attrs.field(factory=dict)
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
+    invalid_block_ids: frozenset[int] = frozenset()
+    failed_save_req_ids: frozenset[str] = frozenset()
+    stats: KVStats = attrs.field(factory=KVStats)
+    num_ranks: int = 1
+
+
+@attrs.frozen(kw_only=True)
+class EngineStepOutput:
+    """The engine's result of one step: an output for every request that advanced."""
+
+    step_id: int
+    outputs: tuple[RequestOutput, ...] = ()
+    num_scheduled_tokens: int = 0
+    num_requests: int = 0
+    stats: KVStats = attrs.field(factory=KVStats)

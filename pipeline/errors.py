@@ -1,0 +1,124 @@
+"""Every exception kvstep raises on purpose, in one place.
+
+Each class subclasses the builtin a caller would naturally catch (``ValueError`` for bad
+input, ``RuntimeError`` for a state the engine is in, ...), and each message names the
+offending value and what would have been accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "ConnectorLifecycleError",
+    "EngineDeadError",
+    "EngineOverloaded",
+    "FinalizerError",
+    "GraphError",
+    "InvalidConfigError",
+    "InvalidRequestError",
+    "KvstepError",
+    "ModelLoadError",
+    "StageError",
+    "UnknownConnectorError",
+]
+
+
+class KvstepError(Exception):
+    """Base class of every error raised by kvstep on purpose."""
+
+
+class InvalidConfigError(KvstepError, ValueError):
+    """A configuration field has a value outside what it allows."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid {field}={value!r}: {allowed}")
+
+
+class InvalidRequestError(KvstepError, ValueError):
+    """A request (prompt or sampling parameters) cannot be served; it fails alone."""
+
+    def __init__(self, what: str, value: object, allowed: str) -> None:
+        self.what = what
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid {what}={value!r}: {allowed}")
+
+
+class UnknownConnectorError(KvstepError, KeyError):
+    """A connector name that is not registered."""
+
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        self.name = name
+        self.known = tuple(sorted(known))
+        super().__init__(name)
+
+    def __str__(self) -> str:
+        return f"unknown connector {self.name!r}; registered: {', '.join(self.known) or 'none'}"
+
+
+class ModelLoadError(KvstepError, ValueError):
+    """A model directory or checkpoint that cannot be loaded."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot load model from {str(path)!r}: {reason}")
+
+
+class GraphError(KvstepError, ValueError):
+    """A step graph that cannot be built: names the stage and the artifact type."""
+
+    def __init__(self, message: str, *, stage: str | None = None, artifact: str | None = None):
+        self.stage = stage
+        self.artifact = artifact
+        super().__init__(message)
+
+
+class ConnectorLifecycleError(KvstepError, RuntimeError):
+    """A KV connector call out of its per-step order."""
+
+    def __init__(self, step_id: int | None, call: str, previous: str, allowed: Iterable[str]):
+        self.step_id = step_id
+        self.call = call
+        self.previous = previous
+        self.allowed = tuple(allowed)
+        super().__init__(
+            f"step {step_id}: connector call {call!r} after {previous!r}; "
+            f"{call!r} may only follow {' | '.join(repr(a) for a in self.allowed)}"
+        )
+
+
+class StageError(KvstepError, RuntimeError):
+    """A stage failed; wraps nothing, carries the stage name and step id for logs."""
+
+    def __init__(self, stage: str, step_id: int, reason: str) -> None:
+        self.stage = stage
+        self.step_id = step_id
+        super().__init__(f"step {step_id}: stage {stage!r} failed: {reason}")
+
+
+class FinalizerError(KvstepError, RuntimeError):
+    """One or more finalizers failed on a step whose body succeeded."""
+
+    def __init__(self, step_id: int, failures: dict[str, BaseException]) -> None:
+        self.step_id = step_id
+        self.failures = dict(failures)
+        detail = "; ".join(f"{name}: {exc!r}" for name, exc in self.failures.items())
+        super().__init__(f"step {step_id}: finalizer(s) failed: {detail}")
+
+
+class EngineOverloaded(KvstepError, RuntimeError):
+    """Admission refused: the engine already holds its configured number of requests."""
+
+    def __init__(self, depth: int, limit: int) -> None:
+        self.depth = depth
+        self.limit = limit
+        super().__init__(f"engine overloaded: {depth} requests in flight, limit {limit}")
+
+
+class EngineDeadError(KvstepError, RuntimeError):
+    """The engine's step loop has died; every caller gets this, with the cause chained."""

@@ -1,0 +1,147 @@
+"""A request as the scheduler tracks it, and what callers receive about it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import attrs
+
+from pipeline.config import SamplingParams
+
+__all__ = ["FINISH_REASONS", "Request", "RequestOutput", "RequestStatus"]
+
+FINISH_REASONS = ("length", "stop", "abort", "error")
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; the ``FINISHED_*`` members are terminal."""
+
+    WAITING = 0
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One generation request, owned and mutated by the scheduler only.
+
+    ``all_token_ids`` is prompt + output and grows as tokens are sampled.
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache (from compute,
+    the prefix cache or a connector). ``block_hashes`` holds the chained hash of every
+    *full* block of ``all_token_ids``; the scheduler extends it as tokens arrive.
+    """
+
+    __slots__ = (
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "eos_token_id",
+        "error",
+        "kv_transfer_params",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_external_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "request_id",
+        "sampling_params",
+        "status",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length, set when first scheduled
+        self.num_external_computed_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.error: str | None = None
+        self.kv_transfer_params: dict[str, object] | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutput:
+    """What a caller receives for one request after a step (or at its end).
+
+    Attributes:
+        request_id: The request's id.
+        prompt_token_ids: The prompt as token ids.
+        token_ids: Every token generated so far.
+        new_token_ids: The tokens generated since the previous output of this request.
+        finished: Whether this is the request's last output.
+        finish_reason: ``"length" | "stop" | "abort" | "error"`` once finished.
+        error: A description of the failure when ``finish_reason == "error"``.
+        num_cached_tokens: Prompt tokens served from a cache (local or connector).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
