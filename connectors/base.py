@@ -100,7 +100,7 @@ class ConnectorContext:
     hash_seed: int = 0
 
 
-class KVConnectorMetadata(abc.ABC):
+class KVConnectorMetadata(abc.ABC):  # noqa: B024
     """Per-step instructions from the scheduler half to the worker half.
 
     Abstract: each connector defines its own. Between steps the bound metadata is
@@ -205,9 +205,7 @@ class KVConnectorScheduler(abc.ABC):
         Called once per step, including steps with nothing scheduled.
         """
 
-    def request_finished(
-        self, request: Request, block_ids: Sequence[int]
-    ) -> RequestFinishedResult:
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> RequestFinishedResult:
         """A request finished; return whether its blocks must stay until KV is sent."""
         return RequestFinishedResult()
 
@@ -219,7 +217,7 @@ class KVConnectorScheduler(abc.ABC):
         return False
 
 
-class KVConnectorWorker(abc.ABC):
+class KVConnectorWorker(abc.ABC):  # noqa: B024
     """Worker half: moves KV between the paged cache and the store, one step at a time.
 
     Every call goes through the lifecycle guard: per step, ``bind_connector_metadata``
@@ -249,7 +247,7 @@ class KVConnectorWorker(abc.ABC):
         """The metadata bound for the current step, ``None`` between steps."""
         return self._metadata
 
-    async def start_load_kv(self, ctx: ForwardContext) -> None:
+    async def start_load_kv(self, ctx: ForwardContext) -> None:  # noqa: B027
         """Start loading this step's KV; may return before it arrives. Cancellation-safe."""
 
     def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027
@@ -276,5 +274,5 @@ class KVConnectorWorker(abc.ABC):
         """(loaded_tokens, loaded_bytes, saved_tokens, saved_bytes) of this step."""
         return (0, 0, 0, 0)
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027
         """Release resources; idempotent; always releases even if it raises."""

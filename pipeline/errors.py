@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "ConnectorLifecycleError",
+    "DuplicateConnectorError",
     "EngineDeadError",
     "EngineOverloaded",
     "FinalizerError",
@@ -21,6 +22,7 @@ __all__ = [
     "ModelLoadError",
     "StageError",
     "UnknownConnectorError",
+    "WorkerFailedError",
 ]
 
 
@@ -58,6 +60,18 @@ class UnknownConnectorError(KvstepError, KeyError):
 
     def __str__(self) -> str:
         return f"unknown connector {self.name!r}; registered: {', '.join(self.known) or 'none'}"
+
+
+class DuplicateConnectorError(KvstepError, ValueError):
+    """A connector name that is already registered (pass ``replace=True`` to override)."""
+
+    def __init__(self, name: str, existing: object) -> None:
+        self.name = name
+        self.existing = existing
+        super().__init__(
+            f"connector {name!r} is already registered ({existing!r}); "
+            "choose another name or pass replace=True"
+        )
 
 
 class ModelLoadError(KvstepError, ValueError):
@@ -122,3 +136,12 @@ class EngineOverloaded(KvstepError, RuntimeError):
 
 class EngineDeadError(KvstepError, RuntimeError):
     """The engine's step loop has died; every caller gets this, with the cause chained."""
+
+
+class WorkerFailedError(KvstepError, RuntimeError):
+    """A worker rank raised or missed the fan-in deadline; names the rank."""
+
+    def __init__(self, rank: int, step_id: int, reason: str) -> None:
+        self.rank = rank
+        self.step_id = step_id
+        super().__init__(f"step {step_id}: worker rank {rank} failed: {reason}")

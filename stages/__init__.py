@@ -1,0 +1,35 @@
+"""kvstep's built-in stages and the default step graphs built from them.
+
+    engine:  schedule → execute → fan_in → update
+    worker:  bind → load → forward → {sample | save} → finished ⟂ clear
+"""
+
+from __future__ import annotations
+
+from stages.bind import BindStage
+from stages.fan_in import FanInAggregator, FanInStage
+from stages.finalize import ClearConnectorStage
+from stages.finished import FinishedStage
+from stages.forward.stage import ForwardStage, SampleStage
+from stages.graphs import default_engine_graph, default_worker_graph
+from stages.load import LoadStage
+from stages.save import SaveStage
+from stages.schedule_stage import ExecuteStage, Executor, ScheduleStage, UpdateStage
+
+__all__ = [
+    "BindStage",
+    "ClearConnectorStage",
+    "ExecuteStage",
+    "Executor",
+    "FanInAggregator",
+    "FanInStage",
+    "FinishedStage",
+    "ForwardStage",
+    "LoadStage",
+    "SampleStage",
+    "SaveStage",
+    "ScheduleStage",
+    "UpdateStage",
+    "default_engine_graph",
+    "default_worker_graph",
+]

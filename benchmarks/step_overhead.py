@@ -1,0 +1,244 @@
+"""How much time does the StepGraph runner add to a step, compared with plain awaits?
+
+Two graphs of 10 no-op stages plus a no-op finalizer (with an explicit, awaited drain):
+
+* ``chain``:    s0 → s1 → … → s9
+* ``parallel``: s0 → s1 → {s2 | s3} → s4 → {s5 | s6 | s7} → s8 → s9
+
+each against the same 10 coroutines awaited in sequence by hand, results stored in the
+context, inside ``try``/``finally`` with the finalizer's drain and ``finalize``. Reports
+the median µs per step, the µs the runner adds and the ratio. Goal: < 50 µs added.
+
+A third column, "hand+TG", writes the same parallel blocks by hand with anyio task groups
+(and the finalizer's ``move_on_after(shield=True)``): the price of concurrency itself, so
+"added vs TG" is what the runner's own bookkeeping costs.
+
+    python benchmarks/step_overhead.py [--steps N] [--json PATH] [--backend asyncio|trio]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import statistics
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from time import perf_counter_ns
+from typing import Any, ClassVar
+
+import anyio
+import attrs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.context import StepContext
+from pipeline.graph import StepGraph
+from pipeline.stage import Finalizer
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "step_overhead.json"
+ARTIFACTS = tuple(type(f"A{i}", (), {"__slots__": ()}) for i in range(10))
+
+
+@attrs.frozen
+class NoopStage:
+    """Reads its inputs from the context and returns a preallocated artifact."""
+
+    name: str
+    requires: tuple[type, ...]
+    provides: type
+    out: object
+
+    async def run(self, ctx: StepContext) -> Any:
+        for t in self.requires:
+            ctx.get(t)
+        return self.out
+
+
+@attrs.frozen
+class NoopFinalizer(Finalizer):
+    """A finalizer with an explicit (empty) drain, so the shielded scope is measured."""
+
+    name: ClassVar[str] = "clear"
+
+    async def run(self, ctx: StepContext) -> None:
+        return None
+
+    def finalize(self, ctx: StepContext) -> None:
+        ctx.scratch["cleared"] = True
+
+
+def make_stages(deps: list[tuple[int, ...]]) -> list[NoopStage]:
+    """Stage ``i`` provides ``A{i}`` and requires ``A{j}`` for every ``j`` in ``deps[i]``."""
+    return [
+        NoopStage(f"s{i}", tuple(ARTIFACTS[j] for j in d), ARTIFACTS[i], ARTIFACTS[i]())
+        for i, d in enumerate(deps)
+    ]
+
+
+VARIANTS: dict[str, list[tuple[int, ...]]] = {
+    "chain": [(), *((i - 1,) for i in range(1, 10))],
+    "parallel": [(), (0,), (1,), (1,), (2, 3), (4,), (4,), (4,), (5, 6, 7), (8,)],
+}
+# The same dataflow written by hand with anyio task groups: a tuple is a parallel block.
+LAYOUTS: dict[str, list[int | tuple[int, ...]]] = {
+    "chain": list(range(10)),
+    "parallel": [0, 1, (2, 3), 4, (5, 6, 7), 8, 9],
+}
+
+
+async def by_hand(stages: list[NoopStage], fin: NoopFinalizer, ctx: StepContext) -> None:
+    """The baseline: the same coroutines awaited in order, cleanup in ``finally``."""
+    try:
+        for s in stages:
+            ctx.put(await s.run(ctx), s.provides)
+    finally:
+        await fin.run(ctx)
+        fin.finalize(ctx)
+
+
+async def by_hand_with_groups(
+    stages: list[NoopStage],
+    layout: list[int | tuple[int, ...]],
+    fin: NoopFinalizer,
+    ctx: StepContext,
+) -> None:
+    """The concurrency floor: the same parallel blocks as anyio task groups, by hand."""
+
+    async def one(s: NoopStage) -> None:
+        ctx.put(await s.run(ctx), s.provides)
+
+    try:
+        for item in layout:
+            if isinstance(item, int):
+                await one(stages[item])
+            else:
+                async with anyio.create_task_group() as tg:
+                    for i in item[1:]:
+                        tg.start_soon(one, stages[i])
+                    await one(stages[item[0]])
+    finally:
+        with anyio.move_on_after(5.0, shield=True):
+            await fin.run(ctx)
+        fin.finalize(ctx)
+
+
+async def median_us(step: Callable[[StepContext], Coroutine[Any, Any, Any]], steps: int) -> float:
+    """Median wall time of one step, in µs, after a warm-up."""
+    for i in range(min(steps, 500)):
+        await step(StepContext(i))
+    samples = []
+    for i in range(steps):
+        ctx = StepContext(i)
+        t0 = perf_counter_ns()
+        await step(ctx)
+        samples.append(perf_counter_ns() - t0)
+    return statistics.median(samples) / 1000.0
+
+
+async def measure(steps: int) -> list[dict[str, Any]]:
+    """Run every variant; graph and baseline alternate in rounds to share any drift."""
+    rows = []
+    fin = NoopFinalizer()
+    for variant, deps in VARIANTS.items():
+        stages = make_stages(deps)
+        graph = StepGraph([*stages, fin], name=variant)
+
+        async def hand(ctx: StepContext, stages: list[NoopStage] = stages) -> None:
+            await by_hand(stages, fin, ctx)
+
+        async def floor(
+            ctx: StepContext, stages: list[NoopStage] = stages, variant: str = variant
+        ) -> None:
+            await by_hand_with_groups(stages, LAYOUTS[variant], fin, ctx)
+
+        graph_us, hand_us, floor_us = [], [], []
+        for _ in range(3):
+            graph_us.append(await median_us(graph.run, steps // 3 or 1))
+            hand_us.append(await median_us(hand, steps // 3 or 1))
+            floor_us.append(await median_us(floor, steps // 3 or 1))
+        g, h, f = (statistics.median(x) for x in (graph_us, hand_us, floor_us))
+        rows.append(
+            {
+                "variant": variant,
+                "graph": str(graph),
+                "graph_us": round(g, 2),
+                "by_hand_us": round(h, 2),
+                "added_us": round(g - h, 2),
+                "ratio": round(g / h, 2),
+                "by_hand_task_groups_us": round(f, 2),
+                "added_vs_task_groups_us": round(g - f, 2),
+            }
+        )
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], backend: str, steps: int) -> None:
+    title = f"StepGraph overhead per step ({backend}, {steps} steps, 10 stages + 1 finalizer)"
+    headers = (
+        "variant",
+        "graph µs",
+        "by hand µs",
+        "added µs",
+        "ratio",
+        "hand+TG µs",
+        "added vs TG",
+    )
+    cells = [
+        (r["variant"], f"{r['graph_us']:.1f}", f"{r['by_hand_us']:.1f}", f"{r['added_us']:.1f}",
+         f"{r['ratio']:.2f}x", f"{r['by_hand_task_groups_us']:.1f}",
+         f"{r['added_vs_task_groups_us']:.1f}")
+        for r in rows
+    ]  # fmt: skip
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        print("  ".join(f"{h:>12}" for h in headers))
+        for row in cells:
+            print("  ".join(f"{c:>12}" for c in row))
+    else:
+        table = Table(title=title)
+        for h in headers:
+            table.add_column(h, justify="right")
+        for row in cells:
+            table.add_row(*row)
+        Console().print(table)
+    for r in rows:
+        print(f"  {r['variant']}: {r['graph']}")
+    print(
+        "  by hand: the 10 coroutines awaited in sequence; hand+TG: the same parallel blocks\n"
+        "  as anyio task groups and the finalizer's shielded scope, written by hand."
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6000, help="timed steps per variant")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    rows = anyio.run(measure, args.steps, backend=args.backend)
+    result = {
+        "benchmark": "step_overhead",
+        "backend": args.backend,
+        "steps": args.steps,
+        "python": platform.python_version(),
+        "anyio": importlib.metadata.version("anyio"),
+        "goal_added_us": 50.0,
+        "results": rows,
+    }
+    print_table(rows, args.backend, args.steps)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

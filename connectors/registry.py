@@ -1,0 +1,233 @@
+"""The connector registry: name → (scheduler class, worker class).
+
+A connector module registers itself at import with :func:`register_connector`. The
+built-in connectors are registered lazily: the first lookup of a built-in name imports
+its module (listed in ``_BUILTIN_MODULES``, one line per connector). A built-in whose
+module does not exist (not shipped yet) is simply not listed.
+
+All functions are thread-safe. Imports happen outside the registry's lock, so a module
+that registers itself while being imported from another thread cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Mapping
+from typing import Literal, overload
+
+import attrs
+import structlog
+
+from connectors.base import (
+    ConnectorContext,
+    KVConnectorRole,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
+from pipeline.errors import DuplicateConnectorError, InvalidConfigError, UnknownConnectorError
+
+__all__ = [
+    "ConnectorSpec",
+    "create_connector",
+    "get_connector",
+    "list_connectors",
+    "register_connector",
+    "unregister_connector",
+]
+
+_log = structlog.get_logger("kvstep")
+
+# Built-in connector name -> module that registers it on import. Add a connector here.
+_BUILTIN_MODULES: Mapping[str, str] = {
+    "recording": "connectors.testing",
+    "shared_storage": "connectors.shared_storage",
+    "offload": "connectors.offload",
+    "redis": "connectors.redis",
+    "multi": "connectors.multi",
+    "p2p": "connectors.p2p",
+}
+
+_lock = threading.RLock()
+_registry: dict[str, ConnectorSpec] = {}
+_builtins_tried: set[str] = set()  # built-in names whose module was imported (or absent)
+
+
+@attrs.frozen
+class ConnectorSpec:
+    """A registered connector: its name and the class of each half."""
+
+    name: str
+    scheduler_cls: type[KVConnectorScheduler]
+    worker_cls: type[KVConnectorWorker]
+
+
+def _load_builtin(name: str) -> None:
+    """Import the module of built-in ``name`` once; absent modules are remembered.
+
+    Raises:
+        ImportError: The module exists but failed to import (retried on the next call).
+    """
+    module = _BUILTIN_MODULES.get(name)
+    if module is None:
+        return
+    with _lock:
+        if name in _builtins_tried:
+            return
+        # Marked before the import: the module's own register_connector() call re-enters.
+        _builtins_tried.add(name)
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:  # a dependency is missing, not the module itself
+            with _lock:
+                _builtins_tried.discard(name)
+            raise
+    except BaseException:
+        with _lock:
+            _builtins_tried.discard(name)
+        raise
+
+
+def register_connector(
+    name: str,
+    scheduler_cls: type[KVConnectorScheduler],
+    worker_cls: type[KVConnectorWorker],
+    *,
+    replace: bool = False,
+) -> ConnectorSpec:
+    """Register a connector under ``name``; usually called at the import of its module.
+
+    Args:
+        name: The name ``EngineConfig.connector`` refers to.
+        scheduler_cls: The scheduler half, built as ``scheduler_cls(context)``.
+        worker_cls: The worker half, built as ``worker_cls(context)``.
+        replace: Override an existing registration of ``name`` (built-ins included).
+
+    Registering the very same classes again under the same name is a no-op.
+
+    Returns:
+        The registered spec.
+
+    Raises:
+        DuplicateConnectorError: ``name`` is taken and ``replace`` is false.
+        InvalidConfigError: An empty name, or a class that is not the right half.
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidConfigError("connector name", name, "a non-empty string")
+    if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, KVConnectorScheduler)):
+        raise InvalidConfigError(
+            "scheduler_cls", scheduler_cls, "a subclass of connectors.KVConnectorScheduler"
+        )
+    if not (isinstance(worker_cls, type) and issubclass(worker_cls, KVConnectorWorker)):
+        raise InvalidConfigError(
+            "worker_cls", worker_cls, "a subclass of connectors.KVConnectorWorker"
+        )
+    try:
+        _load_builtin(name)  # a built-in name is taken even before its first lookup
+    except ImportError as exc:  # a broken built-in does not take its name
+        _log.warning("connector_import_failed", connector=name, error=repr(exc))
+    spec = ConnectorSpec(name, scheduler_cls, worker_cls)
+    with _lock:
+        existing = _registry.get(name)
+        if existing is not None and not replace and existing != spec:
+            raise DuplicateConnectorError(name, existing)
+        _registry[name] = spec
+    return spec
+
+
+def unregister_connector(name: str) -> None:
+    """Remove ``name`` (mostly for tests); a built-in name is not re-imported afterwards.
+
+    Raises:
+        UnknownConnectorError: ``name`` is not registered; lists the registered names.
+    """
+    _load_builtin(name)
+    with _lock:
+        if name not in _registry:
+            raise UnknownConnectorError(name, _registry)
+        del _registry[name]
+
+
+def get_connector(name: str) -> ConnectorSpec:
+    """The spec registered under ``name``, importing a built-in's module on first use.
+
+    Raises:
+        UnknownConnectorError: ``name`` is not registered; lists the registered names.
+        ImportError: A built-in's module exists but failed to import.
+    """
+    with _lock:
+        spec = _registry.get(name)
+    if spec is None:
+        _load_builtin(name)
+        with _lock:
+            spec = _registry.get(name)
+    if spec is None:
+        raise UnknownConnectorError(name, list_connectors())
+    return spec
+
+
+def list_connectors() -> tuple[str, ...]:
+    """The registered names, sorted; built-ins whose module is absent are not listed.
+
+    A built-in whose module fails to import is logged and left out.
+    """
+    for name in _BUILTIN_MODULES:
+        try:
+            _load_builtin(name)
+        except ImportError as exc:
+            _log.warning("connector_import_failed", connector=name, error=repr(exc))
+    with _lock:
+        return tuple(sorted(_registry))
+
+
+@overload
+def create_connector(
+    name: str,
+    role: Literal[KVConnectorRole.SCHEDULER, "scheduler"],
+    context: ConnectorContext,
+) -> KVConnectorScheduler: ...
+
+
+@overload
+def create_connector(
+    name: str, role: Literal[KVConnectorRole.WORKER, "worker"], context: ConnectorContext
+) -> KVConnectorWorker: ...
+
+
+@overload
+def create_connector(
+    name: str, role: KVConnectorRole | str, context: ConnectorContext
+) -> KVConnectorScheduler | KVConnectorWorker: ...
+
+
+def create_connector(
+    name: str, role: KVConnectorRole | str, context: ConnectorContext
+) -> KVConnectorScheduler | KVConnectorWorker:
+    """Build the ``role`` half of connector ``name`` with ``context``.
+
+    The worker half comes back unguarded; wrap it with
+    :func:`connectors.lifecycle.make_worker`.
+
+    Args:
+        name: A registered connector name.
+        role: ``KVConnectorRole`` (or its value ``"scheduler"`` / ``"worker"``); must
+            equal ``context.role``.
+        context: What the half is built with.
+
+    Raises:
+        UnknownConnectorError: ``name`` is not registered.
+        InvalidConfigError: ``role`` is not a role, or disagrees with ``context.role``.
+    """
+    try:
+        role = KVConnectorRole(role)
+    except ValueError:
+        allowed = " | ".join(repr(r.value) for r in KVConnectorRole)
+        raise InvalidConfigError("connector role", role, allowed) from None
+    if role is not context.role:
+        raise InvalidConfigError(
+            "connector role", role.value, f"must equal context.role={context.role.value!r}"
+        )
+    spec = get_connector(name)
+    cls = spec.scheduler_cls if role is KVConnectorRole.SCHEDULER else spec.worker_cls
+    return cls(context)

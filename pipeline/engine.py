@@ -1,0 +1,291 @@
+"""The engine core: scheduler, executor and both step graphs, stepped one step at a time.
+
+:class:`EngineCore` is driven by :class:`~pipeline.async_engine.AsyncEngine` (which owns
+the step loop) and, through it, by :class:`~pipeline.llm.LLM`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import structlog
+
+from connectors.base import ConnectorContext, KVConnectorRole, KVConnectorScheduler
+from connectors.lifecycle import make_worker
+from connectors.registry import create_connector, get_connector
+from pipeline.artifacts import EngineStepOutput, SchedulerOutput
+from pipeline.config import EngineConfig, SamplingParams
+from pipeline.context import StepContext
+from pipeline.errors import InvalidConfigError, InvalidRequestError
+from pipeline.executor import InProcessExecutor
+from pipeline.graph import StepGraph
+from pipeline.request import Request, RequestOutput
+from pipeline.steplog import StepLog, bind_step
+from pipeline.worker import Worker
+from stages.fan_in import FanInAggregator
+from stages.forward.runner import ModelRunner
+from stages.graphs import default_engine_graph, default_worker_graph
+from stages.schedule.scheduler import Scheduler
+
+__all__ = ["EngineCore", "GraphArg"]
+
+_log = structlog.get_logger("kvstep")
+
+GraphArg = StepGraph | Callable[[StepGraph], StepGraph] | None
+
+
+def _apply(custom: GraphArg, default: StepGraph) -> StepGraph:
+    if custom is None:
+        return default
+    if isinstance(custom, StepGraph):
+        return custom
+    graph = custom(default)
+    if not isinstance(graph, StepGraph):
+        raise InvalidConfigError(
+            "graph", graph, "a graph function must return a StepGraph (e.g. g.insert_after(...))"
+        )
+    return graph
+
+
+class EngineCore:
+    """Everything one engine owns. Not thread-safe: used from one event loop.
+
+    Args:
+        config: The engine configuration.
+        worker_graph: A :class:`StepGraph` for every rank, or a function from the default
+            worker graph of a rank to a new one.
+        engine_graph: Likewise for the engine graph.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        worker_graph: GraphArg = None,
+        engine_graph: GraphArg = None,
+    ) -> None:
+        if config.executor != "inprocess":
+            raise InvalidConfigError(
+                "executor", config.executor, "this version runs the 'inprocess' executor only"
+            )
+        if config.connector is not None:
+            get_connector(config.connector)  # unknown names fail before the model loads
+        self.config = config
+        self.step_log = StepLog(config.step_log)
+        runners = self._load_runners(config)
+        self.model_config = runners[0].model_config
+        self.fingerprint = runners[0].fingerprint
+        self.connector: KVConnectorScheduler | None = None
+        worker_connectors: list[Any] = [None] * config.world_size
+        if config.connector is not None:
+            self.connector = create_connector(
+                config.connector, KVConnectorRole.SCHEDULER, self._connector_context(0, None)
+            )
+            for rank, runner in enumerate(runners):
+                raw = create_connector(
+                    config.connector,
+                    KVConnectorRole.WORKER,
+                    self._connector_context(rank, runner),
+                )
+                connector = make_worker(raw)
+                connector.register_kv_caches(runner.kv_caches)
+                worker_connectors[rank] = connector
+        self.scheduler = Scheduler.from_config(
+            config, num_blocks=runners[0].num_blocks, connector=self.connector
+        )
+        self.workers = [
+            Worker(
+                rank,
+                _apply(
+                    worker_graph,
+                    default_worker_graph(
+                        runner,
+                        rank=rank,
+                        connector=worker_connectors[rank],
+                        finalizer_timeout_s=config.finalizer_timeout_s,
+                    ),
+                ),
+                connector=worker_connectors[rank],
+                runner=runner,
+                step_log=self.step_log,
+            )
+            for rank, runner in enumerate(runners)
+        ]
+        self.executor = InProcessExecutor(self.workers)
+        self.aggregator = FanInAggregator(config.world_size)
+        self.engine_graph = _apply(
+            engine_graph,
+            default_engine_graph(
+                self.scheduler,
+                self.executor,
+                aggregator=self.aggregator,
+                fan_in_timeout_s=config.fan_in_timeout_s,
+            ),
+        )
+        self._ids = itertools.count()
+        self._engine_steps = 0
+        self._closed = False
+
+    @staticmethod
+    def _load_runners(config: EngineConfig) -> list[ModelRunner]:
+        options = dict(
+            dtype=config.dtype,
+            device=config.device,
+            block_size=config.block_size,
+            num_blocks=config.num_gpu_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            seed=config.seed,
+            world_size=config.world_size,
+        )
+        first = ModelRunner.load(config.model, rank=0, **options)  # type: ignore[arg-type]
+        rest = [
+            ModelRunner.load(config.model, rank=rank, shared_model=first, **options)  # type: ignore[arg-type]
+            for rank in range(1, config.world_size)
+        ]
+        return [first, *rest]
+
+    def _connector_context(self, rank: int, runner: ModelRunner | None) -> ConnectorContext:
+        fingerprint = runner.fingerprint if runner is not None else self.fingerprint
+        return ConnectorContext(
+            role=KVConnectorRole.WORKER if runner is not None else KVConnectorRole.SCHEDULER,
+            options=dict(self.config.connector_options),
+            block_size=self.config.block_size,
+            fingerprint=fingerprint,
+            rank=rank,
+            world_size=self.config.world_size,
+            hash_seed=self.config.hash_seed,
+        )
+
+    # ----------------------------------------------------------------- requests
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def validate_prompt(self, prompt: object) -> list[int]:
+        """Return the prompt as token ids, or raise ``InvalidRequestError`` naming it."""
+        if isinstance(prompt, str):
+            raise InvalidRequestError(
+                "prompt",
+                prompt[:40],
+                "text prompts need a tokenizer in the model directory; pass token ids",
+            )
+        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+            raise InvalidRequestError("prompt", prompt, "must be a list of token ids")
+        if len(prompt) == 0:
+            raise InvalidRequestError("prompt", prompt, "must hold at least one token id")
+        vocab = self.model_config.vocab_size
+        for tok in prompt:
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
+                raise InvalidRequestError("token id", tok, f"must be an integer in [0, {vocab})")
+        limit = min(self.config.max_model_len, self.scheduler.num_blocks * self.config.block_size)
+        if len(prompt) >= limit:
+            raise InvalidRequestError(
+                "prompt length",
+                len(prompt),
+                f"must be shorter than max_model_len={self.config.max_model_len}"
+                + (
+                    f" and the KV cache's {limit} tokens"
+                    if limit < self.config.max_model_len
+                    else ""
+                ),
+            )
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        eos = self.model_config.eos_token_id
+        if isinstance(eos, list | tuple):
+            eos = eos[0] if eos else None
+        self.scheduler.add_request(Request(request_id, prompt, params, eos_token_id=eos))
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        ids = list(request_ids)
+        self.aggregator.forget(ids)
+        return self.scheduler.abort_requests(ids)
+
+    def has_work(self) -> bool:
+        """Whether a step would make progress: requests left, or connector transfers."""
+        pending = self.connector is not None and self.connector.has_pending_work()
+        return self.scheduler.has_unfinished_requests() or pending
+
+    # --------------------------------------------------------------------- step
+
+    async def step(self) -> EngineStepOutput:
+        """Run one engine step. A failing step fails its own requests, not the engine.
+
+        Raises only when the scheduler itself failed (no SchedulerOutput was produced),
+        which leaves the engine in an unknown state.
+        """
+        ctx = StepContext(self._engine_steps, None)
+        self._engine_steps += 1
+        with bind_step(ctx.step_id):
+            try:
+                await self.engine_graph.run(ctx)
+                result = ctx.get(EngineStepOutput)
+            except Exception as exc:
+                scheduler_output = ctx.maybe(SchedulerOutput)
+                if scheduler_output is None:
+                    raise
+                req_ids = [r.req_id for r in scheduler_output.requests]
+                self.aggregator.forget(req_ids)
+                failed = self.scheduler.fail_requests(req_ids, f"step failed: {exc!r}")
+                _log.error(
+                    "step_failed",
+                    step_id=scheduler_output.step_id,
+                    error=repr(exc),
+                    requests=req_ids,
+                )
+                result = EngineStepOutput(
+                    step_id=scheduler_output.step_id,
+                    outputs=tuple(failed),
+                    num_requests=len(req_ids),
+                )
+            finally:
+                if ctx.report is not None:
+                    self._log_step(ctx)
+        return result
+
+    def _log_step(self, ctx: StepContext) -> None:
+        assert ctx.report is not None
+        so = ctx.maybe(SchedulerOutput)
+        out = ctx.maybe(EngineStepOutput)
+        finished = [o.request_id for o in out.outputs if o.finished] if out is not None else []
+        stats = out.stats if out is not None else None
+        self.step_log.record_step(
+            ctx.report,
+            kind="engine",
+            scheduler_step_id=so.step_id if so is not None else None,
+            batch_size=len(so.requests) if so is not None else 0,
+            num_tokens=so.total_num_scheduled_tokens if so is not None else 0,
+            loaded_tokens=stats.loaded_tokens if stats else 0,
+            loaded_bytes=stats.loaded_bytes if stats else 0,
+            saved_tokens=stats.saved_tokens if stats else 0,
+            saved_bytes=stats.saved_bytes if stats else 0,
+            finished=finished,
+        )
+
+    # ------------------------------------------------------------ introspection
+
+    def leak_report(self) -> dict[str, int]:
+        """Counts that must all be 0 when the engine is idle (blocks, requests, transfers)."""
+        report = dict(self.scheduler.leak_report())
+        report["fan_in_pending"] = self.aggregator.num_pending
+        report["bound_metadata"] = sum(
+            1
+            for w in self.workers
+            if w.connector is not None and w.connector.connector_metadata is not None
+        )
+        return report
+
+    async def aclose(self) -> None:
+        """Close workers, connectors and the step log; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.executor.shutdown()
+        finally:
+            self.step_log.close()

@@ -1,0 +1,131 @@
+"""``LLM``: the synchronous, offline front of the engine."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from pipeline.async_engine import AsyncEngine
+from pipeline.config import EngineConfig, SamplingParams
+from pipeline.engine import GraphArg
+from pipeline.errors import InvalidRequestError
+from pipeline.request import RequestOutput
+
+__all__ = ["LLM"]
+
+
+class LLM:
+    """Generate for a list of prompts, blocking until all are done.
+
+    The engine runs on an event loop in a background thread (an anyio blocking portal),
+    so ``LLM`` works from plain synchronous code. Use it as a context manager or call
+    :meth:`close`.
+
+    Args:
+        config: The engine configuration (default: ``EngineConfig()``); keyword
+            arguments build one when ``config`` is omitted.
+        worker_graph / engine_graph: As for :class:`~pipeline.async_engine.AsyncEngine`.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        worker_graph: GraphArg = None,
+        engine_graph: GraphArg = None,
+        **config_fields: Any,
+    ) -> None:
+        if config is None:
+            config = EngineConfig(**config_fields)
+        elif config_fields:
+            raise InvalidRequestError(
+                "config_fields", sorted(config_fields), "pass either an EngineConfig or fields"
+            )
+        self.config = config
+        self._stack = contextlib.ExitStack()
+        self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal())
+        self.engine = AsyncEngine(config, worker_graph=worker_graph, engine_graph=engine_graph)
+        self._stop: anyio.Event | None = None
+        try:
+            self._serving, _ = self._portal.start_task(self._serve)
+        except BaseException:
+            self._stack.close()
+            raise
+        self._closed = False
+
+    async def _serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Holds the engine open in one task of the portal's loop until close()."""
+        async with self.engine:
+            self._stop = anyio.Event()
+            task_status.started()
+            await self._stop.wait()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs are in prompt order.
+
+        A request that fails ends with ``finish_reason="error"``; the others complete.
+        Bad input raises before any prompt is queued.
+        """
+        if isinstance(params, SamplingParams) or params is None:
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise InvalidRequestError(
+                    "params", len(per_prompt), f"must be one SamplingParams or {len(prompts)}"
+                )
+        checked = [self.engine.core.validate_prompt(p) for p in prompts]
+        return self._portal.call(self._generate, checked, per_prompt)
+
+    async def _generate(
+        self, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        limit = anyio.Semaphore(self.config.max_queue_depth)
+
+        async def one(index: int) -> None:
+            async with limit:
+                async for out in self.engine.generate(prompts[index], params[index]):
+                    results[index] = out
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(prompts)):
+                tg.start_soon(one, index)
+        return [r for r in results if r is not None]
+
+    def leak_report(self) -> dict[str, int]:
+        """Counts that must be 0 when idle; see ``EngineCore.leak_report``."""
+        return self._portal.call(self.engine.leak_report)
+
+    def close(self) -> None:
+        """Stop the engine and its loop thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._stop is not None:
+                self._portal.call(self._stop.set)
+            self._serving.result()
+        finally:
+            self._stack.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,189 @@
+"""The step log: one structured record per stage and one per step, from a StepReport.
+
+Records go to a JSON-lines file when a path is given, through a private structlog
+logger built with :func:`structlog.wrap_logger` (never global configuration), and, when
+the application has configured structlog itself, also to ``structlog.get_logger("kvstep")``
+at debug level. An unconfigured host application gets nothing on its stdout. The library
+never calls ``structlog.configure()``.
+
+Each file record carries ``ts`` (unix time when it was written) and ``start_ts`` (unix
+time when the step or stage started), enough to draw a timeline later::
+
+    {"event": "stage", "step_id": 7, "rank": 0, "kind": "worker", "stage": "forward",
+     "outcome": "ok", "start_s": 0.0011, "duration_s": 0.0123, "finalizer": false,
+     "error": null, "start_ts": 1718000000.12, "ts": 1718000000.15}
+    {"event": "step", "step_id": 7, "rank": 0, "kind": "worker", "outcome": "ok",
+     "duration_s": 0.0151, "failed_stage": null, "finalizer_failures": [],
+     "batch_size": 4, ..., "start_ts": 1718000000.12, "ts": 1718000000.15}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+from pipeline.errors import InvalidConfigError
+from pipeline.report import StepReport
+
+__all__ = ["RESERVED_FIELDS", "StepLog", "bind_step"]
+
+RESERVED_FIELDS = frozenset(
+    {"event", "ts", "start_ts", "step_id", "rank", "kind", "outcome", "duration_s",
+     "failed_stage", "finalizer_failures"}
+)  # fmt: skip
+"""Keys of a step record that ``record_step(**fields)`` may not override."""
+
+
+@contextlib.contextmanager
+def bind_step(step_id: int, rank: int | None = None) -> Iterator[None]:
+    """Bind ``step_id`` (and ``rank``, when given) in structlog's contextvars for the block.
+
+    Every structlog call inside the block (in this task, or in tasks it starts) carries
+    them, provided the application's processors include ``merge_contextvars``. The
+    previous values are restored on exit, also on error or cancellation.
+    """
+    values: dict[str, Any] = {"step_id": step_id}
+    if rank is not None:
+        values["rank"] = rank
+    with structlog.contextvars.bound_contextvars(**values):
+        yield
+
+
+class _LineWriter:
+    """The wrapped logger of the file: writes rendered lines, flushing is the caller's."""
+
+    __slots__ = ("_file",)
+
+    def __init__(self, file: IO[str]) -> None:
+        self._file = file
+
+    def msg(self, message: str) -> None:
+        self._file.write(message + "\n")
+
+
+class StepLog:
+    """Writes the per-stage and per-step records of each :class:`StepReport`.
+
+    Thread-safe: workers may record from threads; the records of one step are written
+    together under a lock and flushed once per step.
+    """
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        """Open the log.
+
+        Args:
+            path: A JSON-lines file, opened for appending (parent folders are created);
+                ``None`` writes no file (records still reach a configured ``kvstep``
+                logger).
+        """
+        self.path = Path(path) if path is not None else None
+        self._lock = threading.Lock()
+        self._file: IO[str] | None = None
+        self._writer: Any = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+            self._writer = structlog.wrap_logger(
+                _LineWriter(self._file),
+                processors=[
+                    structlog.contextvars.merge_contextvars,
+                    structlog.processors.TimeStamper(fmt=None, utc=True, key="ts"),
+                    structlog.processors.JSONRenderer(),
+                ],
+                wrapper_class=structlog.BoundLogger,
+                context_class=dict,
+                cache_logger_on_first_use=True,
+            )
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (a log without a path is never closed)."""
+        return self.path is not None and self._file is None
+
+    def record_step(self, report: StepReport, *, kind: str, **fields: Any) -> None:
+        """Write one record per stage of ``report``, then one for the step.
+
+        Called by the engine (``kind="engine"``) or a worker (``kind="worker"``) once per
+        step, after the step ended; may block briefly on the file write. After
+        :meth:`close`, records no longer go to the file (they still reach a configured
+        ``kvstep`` logger).
+
+        Args:
+            report: The runner's report of the step.
+            kind: ``"engine"`` or ``"worker"``: which graph the report is of.
+            **fields: Extra values of the step record (batch_size, num_tokens,
+                loaded_tokens, saved_tokens, loaded_bytes, saved_bytes, finished, errors).
+
+        Raises:
+            InvalidConfigError: A field uses a reserved key (see ``RESERVED_FIELDS``).
+        """
+        clash = RESERVED_FIELDS.intersection(fields)
+        if clash:
+            raise InvalidConfigError(
+                "step record field",
+                sorted(clash)[0],
+                f"reserved keys are {', '.join(sorted(RESERVED_FIELDS))}",
+            )
+        records = self._records(report, kind, fields)
+        if self._writer is not None:
+            with self._lock:
+                if self._file is not None:
+                    for record in records:
+                        self._writer.msg(**record)
+                    self._file.flush()
+        if structlog.is_configured():
+            app_log = structlog.get_logger("kvstep")
+            for record in records:
+                app_log.debug(**record)
+
+    @staticmethod
+    def _records(report: StepReport, kind: str, fields: dict[str, Any]) -> list[dict[str, Any]]:
+        head = {"step_id": report.step_id, "rank": report.rank, "kind": kind}
+        records: list[dict[str, Any]] = [
+            {
+                "event": "stage",
+                **head,
+                "stage": s.name,
+                "outcome": s.outcome,
+                "start_s": s.start_s,
+                "duration_s": s.duration_s,
+                "finalizer": s.finalizer,
+                "error": s.error,
+                "start_ts": report.start_ts + s.start_s,
+            }
+            for s in report.stages
+        ]
+        records.append(
+            {
+                "event": "step",
+                **head,
+                "outcome": report.outcome,
+                "duration_s": report.duration_s,
+                "failed_stage": report.failed_stage,
+                "finalizer_failures": list(report.finalizer_failures),
+                **fields,
+                "start_ts": report.start_ts,
+            }
+        )
+        return records
+
+    def close(self) -> None:
+        """Flush and close the file; idempotent. Thread-safe."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"StepLog(path={str(self.path) if self.path else None!r})"

@@ -1,0 +1,56 @@
+"""The forward pass: a Llama-family model over a paged KV cache, sampling, device sync.
+
+``ModelRunner`` is the entry point the forward and sample stages use; the other names
+are its parts, exported for tests, benchmarks and custom stages.
+"""
+
+from stages.forward.attention import AttentionMetadata, build_attention_metadata, paged_attention
+from stages.forward.builtin import BUILTIN_MODELS, resolve_model_path
+from stages.forward.config import (
+    ROPE_TYPES,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeConfig,
+    load_model_config,
+)
+from stages.forward.device import (
+    CpuDeviceSync,
+    CudaDeviceSync,
+    DeviceEvent,
+    DeviceSync,
+    make_device_sync,
+)
+from stages.forward.kv_cache import allocate_kv_caches, default_num_blocks, kv_cache_block_bytes
+from stages.forward.layers import LayerHooks
+from stages.forward.loader import LoadedModel, load_model
+from stages.forward.model import CausalLM
+from stages.forward.runner import ModelRunner
+from stages.forward.sampling import Sampler, request_seed
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "ROPE_TYPES",
+    "SUPPORTED_ARCHITECTURES",
+    "AttentionMetadata",
+    "CausalLM",
+    "CpuDeviceSync",
+    "CudaDeviceSync",
+    "DeviceEvent",
+    "DeviceSync",
+    "LayerHooks",
+    "LoadedModel",
+    "ModelConfig",
+    "ModelRunner",
+    "RopeConfig",
+    "Sampler",
+    "allocate_kv_caches",
+    "build_attention_metadata",
+    "default_num_blocks",
+    "kv_cache_block_bytes",
+    "load_model",
+    "load_model_config",
+    "make_device_sync",
+    "paged_attention",
+    "request_seed",
+    "resolve_model_path",
+]

@@ -1,0 +1,268 @@
+"""Paged attention over a flat batch that mixes prefill chunks and decode tokens.
+
+:func:`build_attention_metadata` runs once per step and precomputes every index the
+layers need (slot mapping, block gathers, masks), so each layer's
+:func:`paged_attention` only writes the new K/V into the cache and calls
+``scaled_dot_product_attention``: once for all decode requests together (one padded,
+batched call) and once per prefill chunk. Nothing loops over tokens in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "AttentionMetadata",
+    "DecodeBatch",
+    "PrefillChunk",
+    "build_attention_metadata",
+    "paged_attention",
+    "write_kv",
+]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class DecodeBatch:
+    """All requests with one new token, attended to in one padded call.
+
+    Attributes:
+        token_rows: Rows of these tokens in the flat batch ``[n]``.
+        first_row: ``start`` when ``token_rows`` is ``range(start, start + n)`` (sliced, not
+            gathered), else ``None``.
+        block_table: Blocks to gather per request ``[n, max_blocks]`` (padded with 0).
+        mask: ``[n, 1, 1, max_blocks * block_size]``, True where a key is in context;
+            ``None`` when no row is padded.
+    """
+
+    token_rows: torch.Tensor
+    first_row: int | None
+    block_table: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PrefillChunk:
+    """One request's chunk of more than one new token.
+
+    Attributes:
+        start: First row of the chunk in the flat batch.
+        end: One past its last row.
+        context_len: Tokens already cached before the chunk.
+        seq_len: ``context_len + (end - start)``.
+        block_ids: Blocks holding the whole context, or ``None`` when ``context_len`` is 0
+            (the chunk then attends to its own fresh K/V, causally).
+        mask: ``[L, seq_len]``, True where key ``j`` is visible to query ``i``, or ``None``.
+    """
+
+    start: int
+    end: int
+    context_len: int
+    seq_len: int
+    block_ids: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class AttentionMetadata:
+    """Everything the layers need about one step's batch, built once per step.
+
+    Attributes:
+        num_tokens: Rows of the flat batch.
+        block_size: Tokens per KV block.
+        query_start_loc: ``[R + 1]`` offsets of each request's rows.
+        seq_lens: ``[R]`` context + new tokens per request.
+        positions: ``[T]`` position of each row in its sequence.
+        slot_mapping: ``[T]`` cache slot each row's K/V is written to.
+        block_tables: ``[R, max_blocks]`` block tables, padded with 0.
+        decode: The decode requests, or ``None``.
+        prefills: The prefill chunks, in batch order.
+    """
+
+    num_tokens: int
+    block_size: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    decode: DecodeBatch | None
+    prefills: tuple[PrefillChunk, ...]
+
+
+def build_attention_metadata(
+    *,
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Build the metadata of one step; per-request Python, per-token work vectorised.
+
+    Args:
+        query_lens: New tokens per request (each >= 1), in batch order.
+        context_lens: Tokens already in the cache per request.
+        block_tables: Each request's block table; it must cover ``context + query`` tokens.
+        block_size: Tokens per block.
+        device: Where the tensors go (the model's device).
+
+    Pure function; thread-safe.
+    """
+    num_reqs = len(query_lens)
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    seq = ctx + q_lens
+    starts = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=starts[1:])
+    num_tokens = int(starts[-1])
+    needed = -(-seq // block_size)
+    max_blocks = int(needed.max()) if num_reqs else 0
+    table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+    for i, blocks in enumerate(block_tables):
+        n = int(needed[i])
+        assert len(blocks) >= n, f"block table of request {i} too short"
+        table[i, :n] = blocks[:n]
+    req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+    positions = np.arange(num_tokens) - starts[req_of_token] + ctx[req_of_token]
+    slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
+
+    def to_dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device)
+
+    table_t = to_dev(table)
+    decode_idx = np.flatnonzero(q_lens == 1)
+    decode = None
+    if decode_idx.size:
+        d_seq = seq[decode_idx]
+        d_blocks = int(needed[decode_idx].max())
+        span = d_blocks * block_size
+        padded = bool((d_seq != span).any())
+        rows = starts[decode_idx]
+        decode = DecodeBatch(
+            token_rows=to_dev(rows),
+            first_row=int(rows[0]) if bool((np.diff(rows) == 1).all()) else None,
+            block_table=to_dev(np.ascontiguousarray(table[decode_idx, :d_blocks])),
+            mask=to_dev(np.arange(span)[None, :] < d_seq[:, None])[:, None, None, :]
+            if padded
+            else None,
+        )
+    prefills = []
+    for idx in np.flatnonzero(q_lens > 1):
+        j = int(idx)
+        c, s, n = int(ctx[j]), int(seq[j]), int(needed[j])
+        mask = None
+        if c:
+            q_pos = c + np.arange(int(q_lens[j]))
+            mask = to_dev(np.arange(s)[None, :] <= q_pos[:, None])
+        prefills.append(
+            PrefillChunk(
+                start=int(starts[j]),
+                end=int(starts[j + 1]),
+                context_len=c,
+                seq_len=s,
+                block_ids=to_dev(table[j, :n].copy()) if c else None,
+                mask=mask,
+            )
+        )
+    return AttentionMetadata(
+        num_tokens=num_tokens,
+        block_size=block_size,
+        query_start_loc=to_dev(starts),
+        seq_lens=to_dev(seq),
+        positions=to_dev(positions),
+        slot_mapping=to_dev(slots),
+        block_tables=table_t,
+        decode=decode,
+        prefills=tuple(prefills),
+    )
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Write ``key``/``value`` ``[T, kv_heads, head_dim]`` into their slots of ``kv_cache``."""
+    kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+    kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write the new K/V into ``kv_cache``, then attend every query to its context.
+
+    Args:
+        query: ``[T, heads, head_dim]`` (already rotated).
+        key: ``[T, kv_heads, head_dim]`` (already rotated).
+        value: ``[T, kv_heads, head_dim]``.
+        kv_cache: This layer's cache ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+        meta: The step's metadata.
+        scale: Softmax scale (``head_dim ** -0.5`` for Llama).
+
+    Returns:
+        ``[T, heads, head_dim]``. Each query sees its request's cached context plus the
+        new tokens up to and including itself.
+    """
+    write_kv(kv_cache, key, value, meta)
+    num_heads, head_dim = query.shape[1:]
+    kv_heads = key.shape[1]
+    out = torch.empty_like(query)
+    if meta.decode is not None:
+        _decode(query, kv_cache, meta.decode, out, scale, kv_heads, num_heads)
+    for chunk in meta.prefills:
+        q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+        if chunk.block_ids is None:
+            k = key[chunk.start : chunk.end]
+            v = value[chunk.start : chunk.end]
+        else:
+            k = kv_cache[0].index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)
+            v = kv_cache[1].index_select(0, chunk.block_ids).view(-1, kv_heads, head_dim)
+            k, v = k[: chunk.seq_len], v[: chunk.seq_len]
+        o = F.scaled_dot_product_attention(
+            q,
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=kv_heads != num_heads,
+        )
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: DecodeBatch,
+    out: torch.Tensor,
+    scale: float,
+    kv_heads: int,
+    num_heads: int,
+) -> None:
+    n = batch.token_rows.shape[0]
+    head_dim = query.shape[-1]
+    first = batch.first_row
+    q = query[first : first + n] if first is not None else query.index_select(0, batch.token_rows)
+    # Grouped-query trick: the `group` query heads sharing a KV head become the query
+    # length of one call, so keys and values are never repeated.
+    q = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
+    flat = batch.block_table.view(-1)
+    k = kv_cache[0].index_select(0, flat).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+    v = kv_cache[1].index_select(0, flat).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
+    o = o.reshape(n, num_heads, head_dim)
+    if first is not None:
+        out[first : first + n] = o
+    else:
+        out.index_copy_(0, batch.token_rows, o)

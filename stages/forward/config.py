@@ -1,0 +1,220 @@
+"""The model configuration kvstep needs, parsed from a Hugging Face ``config.json``.
+
+Supported architectures are the Llama family: ``LlamaForCausalLM``,
+``MistralForCausalLM`` and ``Qwen2ForCausalLM``. Both the transformers 4 layout
+(``rope_theta`` + ``rope_scaling``) and the transformers 5 layout (``rope_parameters``)
+of the rotary-embedding settings are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from pipeline.errors import ModelLoadError
+
+__all__ = [
+    "ROPE_TYPES",
+    "SUPPORTED_ARCHITECTURES",
+    "ModelConfig",
+    "RopeConfig",
+    "load_model_config",
+]
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+# Keys of a rope dict that are not scaling parameters.
+_ROPE_META_KEYS = frozenset({"rope_type", "type", "rope_theta"})
+
+
+@attrs.frozen(kw_only=True)
+class RopeConfig:
+    """Rotary-embedding settings.
+
+    Attributes:
+        rope_type: One of :data:`ROPE_TYPES`.
+        theta: The base wavelength.
+        params: The type's scaling parameters (``factor``, ``low_freq_factor``, ...), as a
+            sorted tuple of ``(name, value)`` pairs so the class stays hashable.
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The scaling parameter ``name``, or ``default`` when absent or ``None``."""
+        for key, value in self.params:
+            if key == name:
+                return default if value is None else value
+        return default
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    Attributes:
+        architecture: The HF architecture name, one of :data:`SUPPORTED_ARCHITECTURES`.
+        vocab_size: Rows of the embedding table.
+        hidden_size: Width of the residual stream.
+        intermediate_size: Width of the SwiGLU MLP.
+        num_hidden_layers: Decoder layers.
+        num_attention_heads: Query heads.
+        num_key_value_heads: Key/value heads (grouped-query attention when fewer).
+        head_dim: Width of one head.
+        rms_norm_eps: Epsilon of every RMSNorm.
+        rope: Rotary-embedding settings.
+        max_position_embeddings: Context length the model was trained for.
+        tie_word_embeddings: ``lm_head`` shares the embedding matrix.
+        attention_bias: q/k/v projections carry a bias (always for Qwen2).
+        o_proj_bias: The output projection carries a bias (Llama ``attention_bias``).
+        mlp_bias: The MLP projections carry a bias (Llama ``mlp_bias``).
+        sliding_window: Sliding-window length, ``None`` when the model uses none.
+        eos_token_ids: End-of-sequence token ids (``config.json`` may give one or a list).
+        torch_dtype: The dtype the checkpoint was saved in, as a string, if stated.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = attrs.field(factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence token id, or ``None``."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def check_max_model_len(self, max_model_len: int, path: object) -> None:
+        """Refuse a ``max_model_len`` this implementation cannot serve exactly.
+
+        Raises:
+            ModelLoadError: The model uses a sliding window shorter than
+                ``max_model_len`` (sliding-window attention is not implemented).
+        """
+        if self.sliding_window is not None and self.sliding_window < max_model_len:
+            raise ModelLoadError(
+                path,
+                f"sliding_window={self.sliding_window} < max_model_len={max_model_len} is "
+                "unsupported (no sliding-window attention); use max_model_len <= "
+                f"{self.sliding_window}",
+            )
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any], path: object = "<dict>") -> ModelConfig:
+        """Parse a ``config.json`` dict.
+
+        Raises:
+            ModelLoadError: Unknown architecture, a missing required field, or an
+                unsupported rope type; the message names ``path`` and the value.
+        """
+        archs = data.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                path,
+                f"unsupported architectures={archs!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}",
+            )
+        try:
+            hidden = int(data["hidden_size"])
+            heads = int(data["num_attention_heads"])
+            fields = {
+                "vocab_size": int(data["vocab_size"]),
+                "intermediate_size": int(data["intermediate_size"]),
+                "num_hidden_layers": int(data["num_hidden_layers"]),
+            }
+        except KeyError as exc:
+            raise ModelLoadError(
+                path, f"config.json lacks required field {exc.args[0]!r}"
+            ) from None
+        head_dim = data.get("head_dim") or hidden // heads
+        qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(data.get("attention_bias", False))
+        sliding = data.get("sliding_window")
+        if qwen2 and not data.get("use_sliding_window", False):
+            sliding = None
+        eos = data.get("eos_token_id")
+        eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope=_parse_rope(data, path),
+            max_position_embeddings=int(data.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+            attention_bias=qwen2 or attention_bias,
+            o_proj_bias=attention_bias and not qwen2,
+            mlp_bias=bool(data.get("mlp_bias", False)),
+            sliding_window=None if sliding is None else int(sliding),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            torch_dtype=data.get("torch_dtype") or data.get("dtype"),
+            **fields,
+        )
+
+
+def _parse_rope(data: dict[str, Any], path: object) -> RopeConfig:
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(path, f"rope settings {rope!r} must be a JSON object")
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        raise ModelLoadError(path, "per-layer-type rope parameters are unsupported")
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            path, f"unsupported rope_type={rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    theta = rope.get("rope_theta") or data.get("rope_theta") or 10000.0
+    params = tuple(sorted((k, v) for k, v in rope.items() if k not in _ROPE_META_KEYS))
+    if rope_type != "default" and not any(k == "factor" for k, _ in params):
+        raise ModelLoadError(path, f"rope_type={rope_type!r} needs a 'factor'")
+    if rope_type in ("llama3", "yarn") and not any(
+        k == "original_max_position_embeddings" for k, _ in params
+    ):
+        original = data.get("original_max_position_embeddings") or data.get(
+            "max_position_embeddings", 4096
+        )
+        params = tuple(sorted((*params, ("original_max_position_embeddings", original))))
+    return RopeConfig(rope_type=rope_type, theta=float(theta), params=params)
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Read and parse ``path/config.json``.
+
+    Raises:
+        ModelLoadError: ``path`` is not a directory, has no ``config.json``, the file is
+            not valid JSON, or :meth:`ModelConfig.from_hf_dict` refuses it.
+    """
+    directory = Path(path)
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        what = "directory has no config.json" if directory.is_dir() else "no such directory"
+        raise ModelLoadError(directory, what)
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(directory, f"config.json is unreadable: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(directory, "config.json must hold a JSON object")
+    return ModelConfig.from_hf_dict(data, directory)

@@ -1,0 +1,121 @@
+"""The building blocks of a Llama-family decoder layer, with Hugging Face parameter names.
+
+Every module works on a flat batch ``[T, ...]`` of tokens from several requests; the
+per-request structure lives in :class:`~stages.forward.attention.AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stages.forward.attention import AttentionMetadata, paged_attention
+from stages.forward.config import ModelConfig
+from stages.forward.rope import CosSin, apply_rotary
+
+__all__ = ["Attention", "DecoderLayer", "LayerHooks", "MLP", "RMSNorm"]
+
+
+class LayerHooks(Protocol):
+    """Callbacks around each layer's attention, called on the forward thread.
+
+    ``before_attention(i)`` runs before layer ``i`` reads its KV cache (a connector waits
+    for that layer's load there); ``after_attention(i)`` runs once layer ``i``'s new K/V
+    is in the cache and its attention is computed (a connector starts saving there).
+    Both must be thread-safe and should not block longer than the I/O they wait for.
+    """
+
+    def before_attention(self, layer: int) -> None: ...
+
+    def after_attention(self, layer: int) -> None: ...
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as Hugging Face Llama does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden, hd = config.hidden_size, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, hidden, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: CosSin,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        hooks: LayerHooks | None,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), *rope)
+        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), *rope)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hooks is not None:
+            hooks.before_attention(self.layer)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        if hooks is not None:
+            hooks.after_attention(self.layer)
+        return self.o_proj(o.view(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: CosSin,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        hooks: LayerHooks | None,
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache, hooks)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,93 @@
+"""A Llama-family causal LM whose parameter names match Hugging Face's.
+
+``state_dict()`` keys are exactly those of transformers' ``LlamaForCausalLM`` /
+``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (``model.embed_tokens.weight``,
+``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``), so safetensors
+checkpoints load without renaming. The forward pass takes a flat batch of tokens of
+several requests (prefill chunks and decode tokens mixed) and a paged KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stages.forward.attention import AttentionMetadata
+from stages.forward.config import ModelConfig
+from stages.forward.layers import DecoderLayer, LayerHooks, RMSNorm
+from stages.forward.rope import RotaryEmbedding
+
+__all__ = ["CausalLM", "DecoderModel"]
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus ``lm_head`` (tied to the embeddings when the config says so).
+
+    Build it under ``torch.device("meta")`` and fill it with
+    :func:`stages.forward.loader.load_model`; :meth:`init_rope` then creates the rotary
+    table on the real device. Not thread-safe: one forward at a time.
+    """
+
+    rotary: RotaryEmbedding
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_rope(self, max_len: int, device: torch.device) -> None:
+        """Create the cos/sin table for positions ``[0, max_len)`` on ``device``."""
+        self.rotary = RotaryEmbedding(self.config, max_len, device)
+
+    def tie_weights(self) -> None:
+        """Re-point ``lm_head`` at the embeddings (after weights were assigned)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        kv_caches: Sequence[torch.Tensor],
+        hooks: LayerHooks | None = None,
+    ) -> torch.Tensor:
+        """Run every layer over the flat batch; returns the final-norm hidden ``[T, hidden]``.
+
+        Args:
+            input_ids: ``[T]`` token ids.
+            positions: ``[T]`` positions (each below the rotary table's length).
+            attn_meta: The step's attention metadata.
+            kv_caches: One cache tensor per layer; the new K/V are written into them.
+            hooks: Per-layer callbacks (connector waits and saves), or ``None``.
+
+        Blocks the calling thread for the whole computation; call it off the event loop.
+        """
+        h = self.model.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, rope, attn_meta, kv_cache, hooks)
+        out: torch.Tensor = self.model.norm(h)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` in float32 for hidden rows ``[N, hidden]``."""
+        return F.linear(hidden, self.lm_head.weight).float()

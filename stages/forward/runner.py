@@ -1,0 +1,350 @@
+"""``ModelRunner``: the worker-side object the forward and sample stages call.
+
+It owns the model (possibly shared with other in-process ranks), this rank's paged KV
+cache, the per-request block tables and the sampler. Its calls are synchronous and
+block the calling thread for the whole forward pass: stages run them in a worker thread
+so the event loop stays responsive. One call at a time (not thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import structlog
+import torch
+
+from connectors.base import ForwardContext, KVConnectorWorker, ModelFingerprint
+from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
+from pipeline.errors import InvalidConfigError, StageError
+from stages.forward.builtin import resolve_model_path
+from stages.forward.config import ModelConfig, load_model_config
+from stages.forward.device import DeviceSync, make_device_sync
+from stages.forward.inputs import RequestStates
+from stages.forward.kv_cache import allocate_kv_caches, default_num_blocks, kv_cache_block_bytes
+from stages.forward.loader import LoadedModel, load_model
+from stages.forward.model import CausalLM
+from stages.forward.sampling import Sampler
+
+__all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
+
+log = structlog.get_logger("kvstep")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+
+    Raises:
+        InvalidConfigError: Another name, or CUDA asked for but unavailable.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise InvalidConfigError("device", device, "CUDA is not available here; use cpu")
+        return torch.device(device)
+    raise InvalidConfigError("device", device, "must be auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` (bfloat16 on CUDA, float32 on CPU) or a name of :data:`_DTYPES`.
+
+    Raises:
+        InvalidConfigError: Any other name.
+    """
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidConfigError("dtype", dtype, f"must be auto or one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _positive(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidConfigError(name, value, "must be a positive integer")
+    return value
+
+
+@attrs.frozen
+class _ConnectorHooks:
+    """Layer hooks that drive a connector's per-layer calls during one forward."""
+
+    connector: KVConnectorWorker
+    kv_caches: Sequence[torch.Tensor]
+    ctx: ForwardContext
+
+    def before_attention(self, layer: int) -> None:
+        self.connector.wait_for_layer_load(layer)
+
+    def after_attention(self, layer: int) -> None:
+        self.connector.save_kv_layer(layer, self.kv_caches[layer], self.ctx)
+
+
+class ModelRunner:
+    """Runs the model over one step's batch and samples from its logits.
+
+    Build it with :meth:`load`. Attributes ``model_config``, ``device``, ``dtype``,
+    ``block_size``, ``num_blocks``, ``kv_caches`` and ``fingerprint`` are read-only.
+    """
+
+    def __init__(
+        self,
+        *,
+        loaded: LoadedModel,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        self._loaded = loaded
+        self.model: CausalLM = loaded.model
+        self.model_config: ModelConfig = loaded.config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.rank = rank
+        self.world_size = world_size
+        self.kv_caches: list[torch.Tensor] = allocate_kv_caches(
+            loaded.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device
+        )
+        self.fingerprint = ModelFingerprint(
+            architecture=loaded.config.architecture,
+            weights_id=loaded.weights_id,
+            dtype=str(dtype).removeprefix("torch."),
+            block_size=block_size,
+            tp_rank=rank,
+            tp_size=world_size,
+        )
+        self.device_sync: DeviceSync = make_device_sync(device)
+        self._states = RequestStates(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            vocab_size=loaded.config.vocab_size,
+        )
+        self._sampler = Sampler(seed=seed, device=device)
+        self._closed = False
+
+    @classmethod
+    def load(
+        cls,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_model_len: int = 4096,
+        kv_cache_memory_bytes: int = 2 << 30,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shared_model: ModelRunner | None = None,
+    ) -> ModelRunner:
+        """Load ``model`` (a local HF directory or ``"builtin:tiny"``) and allocate the cache.
+
+        Args:
+            model: Checkpoint directory or builtin name.
+            dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
+            device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
+            block_size: Tokens per KV block.
+            num_blocks: KV blocks; ``None`` sizes the cache for ``max_num_seqs``
+                sequences of ``max_model_len`` tokens, capped by ``kv_cache_memory_bytes``.
+            max_num_seqs: Sequences the default cache size provides for.
+            max_model_len: Longest context served (also the rotary table length).
+            kv_cache_memory_bytes: Cap of the default cache size.
+            seed: Seed of the sampler for requests without their own seed.
+            rank: This worker's rank (part of the fingerprint).
+            world_size: Number of ranks.
+            shared_model: Reuse that runner's weights (same model, dtype and device); this
+                runner still gets its own KV cache, request state and sampler.
+
+        Raises:
+            InvalidConfigError: A bad dtype, device, size, rank or incompatible
+                ``shared_model``.
+            ModelLoadError: The checkpoint cannot be loaded.
+
+        Blocks on disk I/O and weight conversion; call it off the event loop.
+        """
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+            ("kv_cache_memory_bytes", kv_cache_memory_bytes),
+            ("world_size", world_size),
+        ):
+            _positive(name, value)
+        if num_blocks is not None:
+            _positive("num_blocks", num_blocks)
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise InvalidConfigError("rank", rank, f"must be in [0, world_size={world_size})")
+        path = resolve_model_path(model)
+        if shared_model is not None:
+            loaded = cls._shared(shared_model, path, dev, torch_dtype, max_model_len)
+        else:
+            config = load_model_config(path)
+            config.check_max_model_len(max_model_len, path)
+            if max_model_len > config.max_position_embeddings:
+                log.warning(
+                    "max_model_len_exceeds_model",
+                    max_model_len=max_model_len,
+                    max_position_embeddings=config.max_position_embeddings,
+                )
+            loaded = load_model(
+                path, dtype=torch_dtype, device=dev, max_len=max_model_len, config=config
+            )
+        if num_blocks is None:
+            num_blocks = default_num_blocks(
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                block_size=block_size,
+                block_bytes=kv_cache_block_bytes(loaded.config, block_size, torch_dtype),
+                memory_cap_bytes=kv_cache_memory_bytes,
+            )
+        runner = cls(
+            loaded=loaded,
+            device=dev,
+            dtype=torch_dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+        )
+        log.info(
+            "model_loaded",
+            model=model,
+            path=str(path),
+            device=str(dev),
+            dtype=runner.fingerprint.dtype,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            rank=rank,
+            shared=shared_model is not None,
+        )
+        return runner
+
+    @staticmethod
+    def _shared(
+        other: ModelRunner,
+        path: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> LoadedModel:
+        same = (
+            other._loaded.path.resolve() == path.resolve()
+            and other.device == device
+            and other.dtype == dtype
+            and other.max_model_len >= max_model_len
+            and not other._closed
+        )
+        if not same:
+            raise InvalidConfigError(
+                "shared_model",
+                other._loaded.path,
+                f"must be an open runner of {path} on {device} in {dtype} with "
+                f"max_model_len >= {max_model_len}",
+            )
+        return other._loaded
+
+    def forward_context(self, scheduler_output: SchedulerOutput) -> ForwardContext:
+        """The context the connector hooks see for this step (cheap; no copies)."""
+        return ForwardContext(
+            step_id=scheduler_output.step_id,
+            rank=self.rank,
+            kv_caches=self.kv_caches,
+            scheduler_output=scheduler_output,
+        )
+
+    def execute(
+        self, scheduler_output: SchedulerOutput, connector: KVConnectorWorker | None = None
+    ) -> ModelOutput:
+        """Run the forward pass of one step.
+
+        Drops ``finished_req_ids``, applies the scheduled block ids, then runs the model;
+        with a ``connector``, calls ``wait_for_layer_load(i)`` before layer ``i``'s
+        attention and ``save_kv_layer(i, kv_caches[i], ctx)`` after it.
+
+        Returns:
+            Float32 logits of the requests whose ``sample`` is set, in batch order. An
+            empty step returns ``req_ids=()`` and a ``[0, vocab]`` tensor without
+            running the model.
+
+        Raises:
+            InvalidRequestError: A scheduled request is inconsistent (see
+                :meth:`RequestStates.update`); the per-request state is left unchanged.
+            StageError: The runner is closed.
+
+        Blocks the calling thread; not thread-safe; not cancellable once started.
+        """
+        if self._closed:
+            raise StageError("forward", scheduler_output.step_id, "the model runner is closed")
+        self._states.drop(scheduler_output.finished_req_ids)
+        if scheduler_output.is_empty:
+            empty = torch.empty(0, self.model_config.vocab_size, device=self.device)
+            return ModelOutput(req_ids=(), logits=empty, num_tokens=0)
+        self._states.update(scheduler_output)
+        batch = self._states.prepare(scheduler_output, self.device)
+        hooks = None
+        if connector is not None:
+            hooks = _ConnectorHooks(
+                connector, self.kv_caches, self.forward_context(scheduler_output)
+            )
+        with torch.inference_mode(), self.device_sync.compute_stream():
+            meta = batch.attn_meta
+            hidden = self.model(batch.input_ids, meta.positions, meta, self.kv_caches, hooks)
+            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        return ModelOutput(req_ids=batch.sample_req_ids, logits=logits, num_tokens=meta.num_tokens)
+
+    def sample(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> SampledTokens:
+        """Sample one token per row of ``model_output`` with each request's parameters.
+
+        Blocks the calling thread (it reads the tokens back from the device).
+        """
+        if not model_output.req_ids:
+            return SampledTokens(token_ids={})
+        by_id = {r.req_id: r for r in scheduler_output.requests}
+        scheduled = [by_id[req_id] for req_id in model_output.req_ids]
+        with torch.inference_mode():
+            tokens = self._sampler.sample(
+                model_output.logits,
+                [r.sampling for r in scheduled],
+                [r.num_output_tokens for r in scheduled],
+            )
+        return SampledTokens(token_ids=dict(zip(model_output.req_ids, tokens, strict=True)))
+
+    def block_table(self, req_id: str) -> tuple[int, ...]:
+        """The block table this worker holds for ``req_id`` (KeyError when unknown)."""
+        return self._states.block_table(req_id)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose state this worker holds."""
+        return len(self._states)
+
+    def close(self) -> None:
+        """Drop the KV cache and request state. Idempotent; never raises.
+
+        Shared weights stay alive for the runners that share them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._states.clear()
+        self.kv_caches = []

@@ -1,0 +1,200 @@
+"""One scheduling decision: vLLM-V1-style continuous batching over a token budget.
+
+Running requests go first, in admission order, each taking ``min(remaining tokens,
+remaining budget)`` (a decode token or the next prefill chunk). When the pool cannot
+hold a running request's next tokens, the last running request is preempted by
+recompute, repeatedly, until the allocation fits or the request itself was the last one.
+Then, only if nobody was preempted, waiting requests are admitted first come first
+served while the budget, ``max_num_seqs`` and the pool allow: local prefix-cache hit,
+the connector's external match, allocation, ``update_state_after_alloc``. A request the
+connector loads asynchronously is parked in ``WAITING_FOR_REMOTE_KVS`` instead of
+running. ``num_computed_tokens`` is advanced when a request is scheduled, so the next
+step can schedule its next token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import attrs
+import structlog
+
+from pipeline.artifacts import ScheduledRequest, SchedulerOutput
+from pipeline.request import Request, RequestStatus
+from stages.schedule.kv_manager import ComputedBlocks
+from stages.schedule.state import SchedulerState
+
+__all__ = ["SchedulingLimits", "plan_step"]
+
+log = structlog.get_logger("kvstep")
+
+
+@attrs.frozen(kw_only=True)
+class SchedulingLimits:
+    """The per-step limits of the policy.
+
+    Attributes:
+        max_num_seqs: Most requests running at once.
+        max_num_batched_tokens: Tokens computed in one step, over all requests.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class _RunningPass(NamedTuple):
+    budget: int
+    preempted: bool
+
+
+class _Admission:
+    """What a waiting request would start from: its cached and external prefix."""
+
+    __slots__ = ("hit", "load_async", "num_external")
+
+    def __init__(self, hit: ComputedBlocks, num_external: int, load_async: bool) -> None:
+        self.hit = hit
+        self.num_external = num_external
+        self.load_async = load_async
+
+
+def plan_step(state: SchedulerState, limits: SchedulingLimits, step_id: int) -> SchedulerOutput:
+    """Decide step ``step_id``: mutate ``state`` and return the step's output.
+
+    The returned output has no connector metadata yet; the caller adds it. Synchronous;
+    calls the connector's scheduler hooks, which must not block.
+    """
+    state.kv.start_step()
+    scheduled: list[ScheduledRequest] = []
+    running = _schedule_running(state, limits.max_num_batched_tokens, scheduled)
+    if not running.preempted:
+        _schedule_waiting(state, limits, running.budget, scheduled)
+    finished = frozenset(state.finished_req_ids)
+    state.finished_req_ids.clear()
+    return SchedulerOutput(step_id=step_id, requests=tuple(scheduled), finished_req_ids=finished)
+
+
+def _schedule_running(
+    state: SchedulerState, budget: int, scheduled: list[ScheduledRequest]
+) -> _RunningPass:
+    preempted = False
+    index = 0
+    while index < len(state.running) and budget > 0:
+        request = state.running[index]
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if num_new <= 0:
+            index += 1
+            continue
+        while (new_blocks := state.kv.allocate_slots(request, num_new)) is None:
+            victim = state.running[-1]
+            state.preempt(victim)
+            preempted = True
+            if victim is request:
+                break
+        if new_blocks is None:
+            break
+        scheduled.append(_schedule(state, request, num_new))
+        budget -= num_new
+        index += 1
+    return _RunningPass(budget, preempted)
+
+
+def _schedule_waiting(
+    state: SchedulerState,
+    limits: SchedulingLimits,
+    budget: int,
+    scheduled: list[ScheduledRequest],
+) -> None:
+    skipped: list[Request] = []
+    while state.waiting and budget > 0 and len(state.running) < limits.max_num_seqs:
+        request = state.waiting[0]
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            skipped.append(state.waiting.popleft())
+            continue
+        admission = _admission(state, request)
+        if admission is None:  # the connector cannot tell yet: ask again next step
+            skipped.append(state.waiting.popleft())
+            continue
+        hit = admission.hit
+        num_computed = request.num_computed_tokens + hit.num_computed_tokens
+        num_computed += admission.num_external
+        num_new = 0 if admission.load_async else min(request.num_tokens - num_computed, budget)
+        new_blocks = state.kv.allocate_slots(
+            request,
+            num_new,
+            hit.num_computed_tokens,
+            hit.blocks,
+            admission.num_external,
+            delay_cache_blocks=admission.load_async,
+        )
+        if new_blocks is None:  # FCFS: nobody behind it may jump the queue
+            break
+        if state.connector is not None:
+            state.connector.update_state_after_alloc(
+                request, state.kv.get_block_ids(request.request_id), admission.num_external
+            )
+        state.waiting.popleft()
+        if admission.load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            state.async_loads[request.request_id] = num_computed
+            skipped.append(request)
+            continue
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        state.running.append(request)
+        scheduled.append(_schedule(state, request, num_new))
+        budget -= num_new
+    state.waiting.extendleft(reversed(skipped))
+
+
+def _admission(state: SchedulerState, request: Request) -> _Admission | None:
+    """The prefix ``request`` starts from, or ``None`` when the connector says "later".
+
+    A request that already holds blocks (its async load just finished) starts from its
+    own ``num_computed_tokens``; the cache and the connector are not asked again.
+    """
+    if state.kv.has_blocks(request.request_id):
+        return _Admission(ComputedBlocks([], 0), 0, False)
+    hit = state.kv.get_computed_blocks(request)
+    if state.connector is None:
+        return _Admission(hit, 0, False)
+    match = state.connector.get_num_new_matched_tokens(request, hit.num_computed_tokens)
+    if match.num_tokens is None:
+        return None
+    load_async = bool(match.load_async)
+    # A synchronous load must leave the last token to compute (its logits are needed);
+    # an async load may cover everything and is trimmed when it completes.
+    limit = request.num_tokens - hit.num_computed_tokens - (0 if load_async else 1)
+    num_external = max(0, min(match.num_tokens, limit))
+    if num_external != match.num_tokens:
+        log.debug(
+            "connector match clamped",
+            req_id=request.request_id,
+            matched=match.num_tokens,
+            used=num_external,
+        )
+    request.num_external_computed_tokens = num_external
+    return _Admission(hit, num_external, load_async and num_external > 0)
+
+
+def _schedule(state: SchedulerState, request: Request, num_new: int) -> ScheduledRequest:
+    """Describe ``request``'s share of this step and advance its computed tokens."""
+    req_id = request.request_id
+    block_ids = state.kv.get_block_ids(req_id)
+    num_sent = state.sent_blocks.get(req_id)
+    start = request.num_computed_tokens
+    item = ScheduledRequest(
+        req_id=req_id,
+        token_ids=tuple(request.all_token_ids[start : start + num_new]),
+        num_computed_tokens=start,
+        block_ids=tuple(block_ids if num_sent is None else block_ids[num_sent:]),
+        new=num_sent is None,
+        sampling=request.sampling_params,
+        sample=start + num_new == request.num_tokens,
+        num_output_tokens=request.num_output_tokens,
+    )
+    state.sent_blocks[req_id] = len(block_ids)
+    request.num_computed_tokens = start + num_new
+    return item

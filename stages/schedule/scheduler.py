@@ -1,0 +1,284 @@
+"""The scheduler: which tokens of which requests each engine step computes.
+
+Continuous batching in the style of vLLM V1 (see :mod:`stages.schedule.policy`) over a
+block pool with prefix caching, preemption by recompute, and the KV connector's
+scheduler hooks. The engine calls, per step::
+
+    so = scheduler.schedule()                      # step_id increments every call
+    ... workers run so, fan-in merges their outputs into out ...
+    outs = scheduler.update_from_output(so, out)   # or fail_requests(...) if it failed
+
+and, between steps, ``add_request`` / ``abort_requests``. Everything is synchronous,
+never blocks, and must be called from one thread (the engine's event loop); none of it
+awaits, so there is no cancellation point inside a call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from connectors.base import KVConnectorScheduler
+from pipeline.artifacts import FanInOutput, SchedulerOutput
+from pipeline.config import LOAD_FAILURE_POLICIES, EngineConfig
+from pipeline.errors import InvalidConfigError, InvalidRequestError, StageError
+from pipeline.request import Request, RequestOutput, RequestStatus
+from stages.schedule.hashing import BlockHasher
+from stages.schedule.kv_manager import KVCacheManager
+from stages.schedule.policy import SchedulingLimits, plan_step
+from stages.schedule.state import SchedulerState, make_output
+from stages.schedule.update import UpdatePolicy, apply_output
+
+__all__ = ["Scheduler"]
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidConfigError(name, value, "must be a positive integer")
+
+
+class Scheduler:
+    """Schedules requests onto a fixed pool of KV blocks, one step at a time.
+
+    Args:
+        num_blocks: KV blocks in each worker's paged cache.
+        block_size: Tokens per block.
+        max_num_seqs: Most requests running at once.
+        max_num_batched_tokens: Tokens computed per step (longer prompts are chunked).
+        max_model_len: A request stops with ``"length"`` at this many tokens. It also
+            stops when it would need more blocks than the whole pool holds.
+        enable_prefix_caching: Reuse cached full blocks across requests.
+        hash_seed: Root seed of the chained block hashes.
+        connector: The KV connector's scheduler half, or ``None``.
+        load_failure_policy: ``"recompute"`` (truncate to the last valid block and
+            recompute) or ``"fail"`` (fail the request) for blocks that fail to load.
+
+    Raises:
+        InvalidConfigError: A size is not a positive integer, or the policy is unknown.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        hash_seed: int = 0,
+        connector: KVConnectorScheduler | None = None,
+        load_failure_policy: str = "recompute",
+    ) -> None:
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            _check_positive(name, value)
+        if load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise InvalidConfigError(
+                "load_failure_policy",
+                load_failure_policy,
+                f"must be one of {', '.join(LOAD_FAILURE_POLICIES)}",
+            )
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self._state = SchedulerState(
+            kv=KVCacheManager(num_blocks, block_size, enable_prefix_caching),
+            hasher=BlockHasher(block_size, hash_seed),
+            connector=connector,
+        )
+        self._limits = SchedulingLimits(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
+        self._update_policy = UpdatePolicy(
+            max_model_len=min(max_model_len, num_blocks * block_size),
+            block_size=block_size,
+            load_failure_policy=load_failure_policy,
+        )
+        self._next_step_id = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        config: EngineConfig,
+        *,
+        num_blocks: int,
+        connector: KVConnectorScheduler | None,
+    ) -> Scheduler:
+        """A scheduler with the sizes, seed and policy of ``config``."""
+        return cls(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_seed=config.hash_seed,
+            connector=connector,
+            load_failure_policy=config.load_failure_policy,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self._state.kv.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request (cached free blocks included)."""
+        return self._state.kv.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (held or free)."""
+        return self._state.kv.block_pool.num_cached_blocks
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        """The block manager, for introspection (tests, metrics); do not mutate it."""
+        return self._state.kv
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Read-only view of every unfinished request by id."""
+        return MappingProxyType(self._state.requests)
+
+    @property
+    def connector(self) -> KVConnectorScheduler | None:
+        """The connector's scheduler half, or ``None``."""
+        return self._state.connector
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` (status ``WAITING``) behind the requests already waiting.
+
+        Hashes its full prompt blocks. The engine validates prompts and sampling
+        parameters first; this only refuses what would break the scheduler.
+
+        Raises:
+            InvalidRequestError: The id is already in use (unfinished, or finished with
+                its blocks still held for a transfer); the prompt is empty, longer than
+                ``max_model_len``, or needs more blocks than the pool has.
+        """
+        req_id = request.request_id
+        state = self._state
+        if req_id in state.requests or req_id in state.delayed_free:
+            raise InvalidRequestError(
+                "request_id", req_id, "must be unique among unfinished requests"
+            )
+        num_prompt = request.num_prompt_tokens
+        capacity = self.num_blocks * self.block_size
+        if num_prompt == 0:
+            raise InvalidRequestError("prompt length", 0, "must be at least 1 token")
+        if num_prompt > min(self.max_model_len, capacity):
+            raise InvalidRequestError(
+                "prompt length",
+                num_prompt,
+                f"must be <= max_model_len={self.max_model_len} and <= the KV pool "
+                f"capacity of {capacity} tokens",
+            )
+        request.status = RequestStatus.WAITING
+        state.hasher.update(request)
+        state.requests[req_id] = request
+        state.waiting.append(request)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
+        """Finish the given requests with ``"abort"`` and free their blocks now.
+
+        Unknown ids (never added, or already finished) are ignored. Their ids reach the
+        workers in the next ``SchedulerOutput.finished_req_ids``. A step that is in
+        flight for them still completes; its tokens for them are dropped.
+
+        Returns:
+            One final output per request actually aborted.
+        """
+        return self._finish_all(req_ids, RequestStatus.FINISHED_ABORTED, None)
+
+    def fail_requests(self, req_ids: Iterable[str], error: str) -> list[RequestOutput]:
+        """Finish the given requests with ``"error"`` (a failed step fails its requests
+        alone; pass every request of that step).
+
+        The prefix-cache entries those requests registered in the last ``schedule()``
+        are dropped before their blocks are freed: the failed step never wrote that
+        KV, so no later request may reuse it. Unknown ids are ignored (their cache
+        entries are dropped all the same).
+
+        Returns:
+            One final output per request actually failed.
+        """
+        ids = list(req_ids)
+        for req_id in ids:
+            self._state.kv.uncache_step_blocks(req_id)
+        return self._finish_all(ids, RequestStatus.FINISHED_ERROR, error)
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step; ``step_id`` increases by one on every call, even when
+        nothing is scheduled. With a connector, ``build_connector_meta`` is called once
+        with the finished output and its result is attached as
+        ``kv_connector_metadata``."""
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        output = plan_step(self._state, self._limits, step_id)
+        connector = self._state.connector
+        if connector is not None:
+            metadata = connector.build_connector_meta(output)
+            output = attrs.evolve(output, kv_connector_metadata=metadata)
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, output: FanInOutput
+    ) -> list[RequestOutput]:
+        """Apply the merged worker output of ``scheduler_output``'s step.
+
+        Appends sampled tokens, stops requests (stop/EOS, ``max_tokens``,
+        ``max_model_len``), frees finished requests (or keeps their blocks while the
+        connector sends them), handles load errors, completed loads and sends, and
+        calls the connector's ``update_connector_output`` once.
+
+        Returns:
+            One output per request that got a new token or finished, in batch order.
+
+        Raises:
+            StageError: ``output`` belongs to a different step than ``scheduler_output``.
+        """
+        if output.step_id != scheduler_output.step_id:
+            raise StageError(
+                "update",
+                scheduler_output.step_id,
+                f"fan-in output of step {output.step_id} does not match this step",
+            )
+        return apply_output(self._state, scheduler_output, output, self._update_policy)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether the engine must keep stepping: requests to run, or finished requests
+        whose blocks wait for a transfer to complete."""
+        return bool(self._state.requests) or bool(self._state.delayed_free)
+
+    def num_unfinished_requests(self) -> int:
+        """Running plus waiting requests (parked async loads included); what admission
+        control counts."""
+        return len(self._state.running) + len(self._state.waiting)
+
+    def leak_report(self) -> dict[str, int]:
+        """``blocks_in_use``, ``requests``, ``waiting``, ``running`` and
+        ``pending_transfers``: all zero once nothing is left in flight (cached free
+        blocks are not counted; see :attr:`num_cached_blocks`)."""
+        return self._state.leak_report()
+
+    def _finish_all(
+        self, req_ids: Iterable[str], status: RequestStatus, error: str | None
+    ) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for req_id in req_ids:
+            request = self._state.requests.get(req_id)
+            if request is None:
+                continue
+            self._state.finish(request, status, error)
+            outputs.append(make_output(request, ()))
+        return outputs

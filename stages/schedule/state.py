@@ -1,0 +1,152 @@
+"""The scheduler's mutable state and the transitions every part of it shares.
+
+:class:`SchedulerState` holds the queues, the block manager and the connector; the
+step planner (:mod:`stages.schedule.policy`), the output handler
+(:mod:`stages.schedule.update`) and the :class:`~stages.schedule.scheduler.Scheduler`
+facade all mutate it through :meth:`SchedulerState.finish` and
+:meth:`SchedulerState.preempt`, so a request leaves its queue, its worker state and its
+blocks in exactly one place. Owned by one scheduler; not thread-safe, never blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+import structlog
+
+from connectors.base import KVConnectorScheduler
+from pipeline.request import Request, RequestOutput, RequestStatus
+from stages.schedule.hashing import BlockHasher
+from stages.schedule.kv_manager import KVCacheManager
+
+__all__ = ["SchedulerState", "make_output"]
+
+log = structlog.get_logger("kvstep")
+
+
+def make_output(request: Request, new_token_ids: tuple[int, ...]) -> RequestOutput:
+    """The caller's view of ``request`` after it got ``new_token_ids`` (or finished)."""
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        token_ids=tuple(request.output_token_ids),
+        new_token_ids=new_token_ids,
+        finished=request.is_finished,
+        finish_reason=request.status.finish_reason,
+        error=request.error,
+        num_cached_tokens=max(0, request.num_cached_tokens),
+    )
+
+
+@attrs.define(eq=False)
+class SchedulerState:
+    """Everything the scheduler knows between calls.
+
+    Attributes:
+        kv: Block tables and the prefix cache.
+        hasher: Keeps ``request.block_hashes`` up to date.
+        connector: The connector's scheduler half, or ``None``.
+        requests: Every unfinished request by id (waiting, parked or running).
+        waiting: Requests to admit, FCFS; preempted ones go back to the front. Also
+            holds requests parked in ``WAITING_FOR_REMOTE_KVS``, skipped until loaded.
+        running: Admitted requests, in admission order (the last is preempted first).
+        finished_req_ids: Ids that ended since the previous step (finished, aborted,
+            failed, preempted); the next ``SchedulerOutput`` carries them.
+        sent_blocks: How many entries of each request's block table the workers have;
+            absent means the next schedule sends ``new=True`` with the whole table.
+        delayed_free: Finished requests whose blocks stay until the connector reports
+            ``finished_sending``.
+        async_loads: Parked requests and the number of computed tokens they will have
+            once their load completes.
+    """
+
+    kv: KVCacheManager
+    hasher: BlockHasher
+    connector: KVConnectorScheduler | None = None
+    requests: dict[str, Request] = attrs.field(factory=dict)
+    waiting: deque[Request] = attrs.field(factory=deque)
+    running: list[Request] = attrs.field(factory=list)
+    finished_req_ids: set[str] = attrs.field(factory=set)
+    sent_blocks: dict[str, int] = attrs.field(factory=dict)
+    delayed_free: dict[str, Request] = attrs.field(factory=dict)
+    async_loads: dict[str, int] = attrs.field(factory=dict)
+
+    def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """Move ``request`` to the terminal ``status`` and release what it holds.
+
+        Removes it from its queue, asks the connector (``request_finished``) whether its
+        blocks must stay while KV is sent, then frees them or parks them in
+        :attr:`delayed_free`. A connector that raises here is logged and its blocks are
+        freed anyway: a cleanup path never leaks.
+        """
+        req_id = request.request_id
+        was_running = request.status == RequestStatus.RUNNING
+        request.status = status
+        request.error = error
+        if was_running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        del self.requests[req_id]
+        self.sent_blocks.pop(req_id, None)
+        self.async_loads.pop(req_id, None)
+        self.finished_req_ids.add(req_id)
+        delay_free = False
+        if self.connector is not None:
+            try:
+                result = self.connector.request_finished(request, self.kv.get_block_ids(req_id))
+            except Exception as exc:
+                log.error(
+                    "connector request_finished failed; freeing blocks",
+                    req_id=req_id,
+                    error=repr(exc),
+                )
+            else:
+                delay_free = result.delay_free
+                request.kv_transfer_params = result.kv_transfer_params
+        if delay_free and self.kv.has_blocks(req_id):
+            self.delayed_free[req_id] = request
+        else:
+            self.kv.free(request)
+        log.debug("request finished", req_id=req_id, reason=status.finish_reason)
+
+    def preempt(self, request: Request) -> None:
+        """Preempt a running ``request`` by recompute: free its blocks, reset its
+        progress, and put it at the front of :attr:`waiting`. Workers drop its state
+        (its id goes to :attr:`finished_req_ids`); it resumes with ``new=True``."""
+        if self.running and self.running[-1] is request:
+            self.running.pop()
+        else:
+            self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.sent_blocks.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+        self.waiting.appendleft(request)
+        log.debug(
+            "request preempted",
+            req_id=request.request_id,
+            num_preemptions=request.num_preemptions,
+            num_free_blocks=self.kv.num_free_blocks,
+        )
+
+    def release_delayed(self, req_id: str) -> bool:
+        """Free the blocks of a delay-freed request; ``False`` if ``req_id`` had none."""
+        request = self.delayed_free.pop(req_id, None)
+        if request is None:
+            return False
+        self.kv.free(request)
+        return True
+
+    def leak_report(self) -> dict[str, int]:
+        """Counts that are all zero when nothing is left in flight."""
+        return {
+            "blocks_in_use": len(self.kv.block_pool.leak_report()),
+            "requests": len(self.requests),
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "pending_transfers": len(self.delayed_free) + len(self.async_loads),
+        }

@@ -1,0 +1,182 @@
+"""Applying one step's merged worker output to the scheduler state.
+
+In order: blocks that failed to load (truncate and recompute, or fail the request,
+per ``load_failure_policy``); sampled tokens, block hashes and stop checks for the
+requests the step scheduled; async loads that completed (``finished_recving``: the
+request becomes schedulable); sends that completed (``finished_sending``: delayed
+blocks are freed); finally ``update_connector_output`` once. Tokens, loads and sends
+of requests the scheduler no longer knows (aborted while the step ran) are logged at
+debug level and dropped.
+"""
+
+from __future__ import annotations
+
+import attrs
+import structlog
+
+from connectors.base import KVConnectorOutput
+from pipeline.artifacts import FanInOutput, SchedulerOutput
+from pipeline.request import Request, RequestOutput, RequestStatus
+from stages.schedule.state import SchedulerState, make_output
+
+__all__ = ["UpdatePolicy", "apply_output", "check_stop"]
+
+log = structlog.get_logger("kvstep")
+
+
+@attrs.frozen(kw_only=True)
+class UpdatePolicy:
+    """How outputs are applied.
+
+    Attributes:
+        max_model_len: A request stops with ``"length"`` once it has this many tokens.
+        block_size: Tokens per KV block.
+        load_failure_policy: ``"recompute"`` or ``"fail"`` for blocks that fail to load.
+    """
+
+    max_model_len: int
+    block_size: int
+    load_failure_policy: str = "recompute"
+
+
+def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """The terminal status ``request`` reached with its last token, or ``None``.
+
+    Checked in this order: a stop token or EOS (unless ``ignore_eos``) → stopped;
+    ``max_tokens`` outputs → length; ``max_model_len`` tokens → length.
+    """
+    params = request.sampling_params
+    last = request.all_token_ids[-1]
+    if last in params.stop_token_ids or (
+        not params.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id
+    ):
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def apply_output(
+    state: SchedulerState,
+    scheduler_output: SchedulerOutput,
+    output: FanInOutput,
+    policy: UpdatePolicy,
+) -> list[RequestOutput]:
+    """Apply ``output`` (step ``scheduler_output.step_id``) and return one
+    :class:`RequestOutput` per request that got a token or finished."""
+    outputs: list[RequestOutput] = []
+    discarded = _handle_load_errors(state, scheduler_output, output, policy, outputs)
+    for item in scheduler_output.requests:
+        req_id = item.req_id
+        request = state.requests.get(req_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            if req_id in output.sampled_token_ids:
+                log.debug("token of a request no longer running dropped", req_id=req_id)
+            continue
+        if not item.sample or req_id in discarded:
+            continue
+        token = output.sampled_token_ids.get(req_id)
+        if token is None:
+            error = f"step {scheduler_output.step_id}: no token was sampled for {req_id!r}"
+            log.error("missing sampled token", req_id=req_id, step=scheduler_output.step_id)
+            state.finish(request, RequestStatus.FINISHED_ERROR, error)
+            outputs.append(make_output(request, ()))
+            continue
+        token = int(token)
+        request.append_output_token(token)
+        state.hasher.update(request)
+        status = check_stop(request, policy.max_model_len)
+        if status is not None:
+            state.finish(request, status)
+        outputs.append(make_output(request, (token,)))
+    _finish_recving(state, output.finished_recving)
+    _finish_sending(state, output)
+    if state.connector is not None:
+        state.connector.update_connector_output(
+            KVConnectorOutput(
+                finished_sending=output.finished_sending,
+                finished_recving=output.finished_recving,
+                invalid_block_ids=output.invalid_block_ids,
+                failed_save_req_ids=output.failed_save_req_ids,
+            )
+        )
+    return outputs
+
+
+def _handle_load_errors(
+    state: SchedulerState,
+    scheduler_output: SchedulerOutput,
+    output: FanInOutput,
+    policy: UpdatePolicy,
+    outputs: list[RequestOutput],
+) -> set[str]:
+    """Requests whose KV failed to load: truncate to the last valid block (recompute)
+    or fail them. Returns the ids whose sampled token must be discarded."""
+    invalid = output.invalid_block_ids
+    if not invalid:
+        return set()
+    candidates = [state.requests.get(item.req_id) for item in scheduler_output.requests]
+    candidates += [state.requests.get(req_id) for req_id in list(state.async_loads)]
+    affected: set[str] = set()
+    for request in candidates:
+        if request is None or request.request_id in affected:
+            continue
+        req_id = request.request_id
+        block_ids = state.kv.get_block_ids(req_id)
+        first = next((i for i, b in enumerate(block_ids) if b in invalid), None)
+        if first is None:
+            continue
+        valid = first * policy.block_size
+        parked = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        if parked:
+            expected = state.async_loads[req_id]
+        elif request.status == RequestStatus.RUNNING:
+            expected = request.num_computed_tokens
+        else:
+            continue
+        if valid >= expected:
+            continue
+        affected.add(req_id)
+        log.warning(
+            "KV load failed",
+            req_id=req_id,
+            block_id=block_ids[first],
+            valid_tokens=valid,
+            policy=policy.load_failure_policy,
+        )
+        if policy.load_failure_policy == "fail":
+            error = f"KV of block {block_ids[first]} failed to load (load_failure_policy=fail)"
+            state.finish(request, RequestStatus.FINISHED_ERROR, error)
+            outputs.append(make_output(request, ()))
+        elif parked:
+            state.async_loads[req_id] = valid
+        else:
+            state.kv.truncate(request, valid)
+            request.num_computed_tokens = valid
+    return affected
+
+
+def _finish_recving(state: SchedulerState, finished_recving: frozenset[str]) -> None:
+    """Parked requests whose async load completed become schedulable (``WAITING``)."""
+    for req_id in sorted(finished_recving):
+        request = state.requests.get(req_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            log.debug("finished_recving of a request not waiting for KV dropped", req_id=req_id)
+            continue
+        # Leave at least the last token to compute: its logits give the next token.
+        num_computed = min(state.async_loads.pop(req_id), request.num_tokens - 1)
+        request.num_computed_tokens = num_computed
+        state.kv.cache_blocks(request, num_computed)
+        request.status = RequestStatus.WAITING
+
+
+def _finish_sending(state: SchedulerState, output: FanInOutput) -> None:
+    """Free the blocks of finished requests whose KV was sent, or whose save failed."""
+    for req_id in sorted(output.finished_sending):
+        if not state.release_delayed(req_id):
+            log.debug("finished_sending of an unknown request dropped", req_id=req_id)
+    for req_id in sorted(output.failed_save_req_ids):
+        released = state.release_delayed(req_id)
+        log.warning("KV save failed", req_id=req_id, blocks_released=released)

@@ -1,0 +1,180 @@
+"""Fixtures of the forward-pass tests: tiny HF checkpoints and a hand-driven step loop."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.artifacts import ScheduledRequest, SchedulerOutput
+from pipeline.config import SamplingParams
+
+_BASE: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+}
+
+# name -> (architecture, config overrides)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama_gqa": ("llama", {"tie_word_embeddings": False}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True, "num_hidden_layers": 3}),
+    "llama_bias_head_dim": (
+        "llama",
+        {"attention_bias": True, "mlp_bias": True, "head_dim": 32, "num_key_value_heads": 1},
+    ),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": False, "use_sliding_window": False}),
+    "qwen2_tied": ("qwen2", {"tie_word_embeddings": True, "use_sliding_window": False}),
+    "rope_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "rope_llama3": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "rope_yarn": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
+    "rope_dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+}
+
+
+def build_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
+    """A random float32 transformers model with weights large enough to matter."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    torch.manual_seed(seed)
+    model: Any = model_cls(config_cls(**{**_BASE, **overrides})).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str], tuple[Any, Path]]:
+    """``get(variant) -> (hf_model, checkpoint_dir)``, each variant built once per session."""
+    root = tmp_path_factory.mktemp("forward-checkpoints")
+    cache: dict[str, tuple[Any, Path]] = {}
+
+    def get(variant: str) -> tuple[Any, Path]:
+        if variant not in cache:
+            kind, overrides = VARIANTS[variant]
+            model = build_hf_model(kind, **overrides)
+            path = root / variant
+            model.save_pretrained(path, safe_serialization=True)
+            cache[variant] = (model, path)
+        return cache[variant]
+
+    return get
+
+
+class StepDriver:
+    """Plays the scheduler by hand: chunked prefill, block allocation, greedy decode.
+
+    Each step gives every request either its next prefill chunk (at most ``chunk``
+    tokens) or one decode token; blocks come from a shuffled free list, appended as the
+    sequence grows, so block tables are not contiguous.
+    """
+
+    def __init__(self, runner: Any, *, chunk: int, seed: int = 0) -> None:
+        self.runner = runner
+        self.chunk = chunk
+        self.free = list(range(runner.num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tokens: dict[str, list[int]] = {}
+        self.prompt_len: dict[str, int] = {}
+        self.computed: dict[str, int] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.known: set[str] = set()
+        self.params: dict[str, SamplingParams] = {}
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        self.step_id = 0
+
+    def add(self, req_id: str, prompt: list[int], params: SamplingParams | None = None) -> None:
+        self.tokens[req_id] = list(prompt)
+        self.prompt_len[req_id] = len(prompt)
+        self.computed[req_id] = 0
+        self.blocks[req_id] = []
+        self.params[req_id] = params or SamplingParams(temperature=0.0, max_tokens=64)
+        self.logits[req_id] = []
+
+    def outputs(self, req_id: str) -> list[int]:
+        return self.tokens[req_id][self.prompt_len[req_id] :]
+
+    def step(self, active: list[str] | None = None) -> SchedulerOutput:
+        """Schedule, execute and sample one step for ``active`` (default: all) requests."""
+        requests = []
+        for req_id in active if active is not None else list(self.tokens):
+            toks, done = self.tokens[req_id], self.computed[req_id]
+            n = min(self.chunk, len(toks) - done)
+            need = -(-(done + n) // self.runner.block_size) - len(self.blocks[req_id])
+            added = [self.free.pop() for _ in range(need)]
+            self.blocks[req_id] += added
+            new = req_id not in self.known
+            self.known.add(req_id)
+            requests.append(
+                ScheduledRequest(
+                    req_id=req_id,
+                    token_ids=tuple(toks[done : done + n]),
+                    num_computed_tokens=done,
+                    block_ids=tuple(self.blocks[req_id]) if new else tuple(added),
+                    new=new,
+                    sampling=self.params[req_id],
+                    sample=done + n == len(toks),
+                    num_output_tokens=len(toks) - self.prompt_len[req_id],
+                )
+            )
+            self.computed[req_id] = done + n
+        output = SchedulerOutput(step_id=self.step_id, requests=tuple(requests))
+        self.step_id += 1
+        model_output = self.runner.execute(output)
+        sampled = self.runner.sample(output, model_output)
+        for row, req_id in enumerate(model_output.req_ids):
+            self.logits[req_id].append(model_output.logits[row].clone())
+            self.tokens[req_id].append(sampled.token_ids[req_id])
+        return output
+
+    def run(self, num_outputs: int) -> None:
+        """Step until every request has ``num_outputs`` generated tokens."""
+        while any(len(self.outputs(r)) < num_outputs for r in self.tokens):
+            self.step([r for r in self.tokens if len(self.outputs(r)) < num_outputs])
+
+
+@pytest.fixture(scope="session")
+def step_driver() -> type[StepDriver]:
+    """The :class:`StepDriver` class (fixtures are the portable way to share helpers)."""
+    return StepDriver
