@@ -114,8 +114,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'engine':<14}{'seconds':>10}{'tokens/s':>12}")
     print(f"{'transformers':<14}{hf_s:>10.2f}{result['transformers_tok_s']:>12.1f}")
     print(f"{'kvstep':<14}{kv_s:>10.2f}{result['kvstep_tok_s']:>12.1f}")
-    print(f"ratio kvstep/transformers: {result['ratio']:.2f}x  "
-          f"(identical greedy outputs: {agree:.0%} of requests)")
+    print(
+        f"ratio kvstep/transformers: {result['ratio']:.2f}x  "
+        f"(identical greedy outputs: {agree:.0%} of requests)"
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     return result

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Literal, overload
 
 import attrs
-import structlog
 
 from connectors.base import (
     ConnectorContext,
@@ -26,6 +25,7 @@ from connectors.base import (
     KVConnectorWorker,
 )
 from pipeline.errors import DuplicateConnectorError, InvalidConfigError, UnknownConnectorError
+from pipeline.logs import get_logger
 
 __all__ = [
     "ConnectorSpec",
@@ -36,7 +36,7 @@ __all__ = [
     "unregister_connector",
 ]
 
-_log = structlog.get_logger("kvstep")
+_log = get_logger()
 
 # Built-in connector name -> module that registers it on import. Add a connector here.
 _BUILTIN_MODULES: Mapping[str, str] = {

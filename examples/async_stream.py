@@ -14,10 +14,10 @@ async def stream_one(engine: AsyncEngine, prompt: list[int], results: dict[int, 
 
 async def amain() -> dict[int, list[int]]:
     results: dict[int, list[int]] = {}
-    async with AsyncEngine(EngineConfig(model="builtin:tiny", max_model_len=256)) as engine:
-        async with anyio.create_task_group() as tg:
-            for first in (1, 20, 300):
-                tg.start_soon(stream_one, engine, [first, 2, 3, 4], results)
+    config = EngineConfig(model="builtin:tiny", max_model_len=256)
+    async with AsyncEngine(config) as engine, anyio.create_task_group() as tg:
+        for first in (1, 20, 300):
+            tg.start_soon(stream_one, engine, [first, 2, 3, 4], results)
     for first, tokens in sorted(results.items()):
         print(first, tokens)
     return results

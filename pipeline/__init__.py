@@ -26,6 +26,7 @@ from pipeline.config import EngineConfig, SamplingParams
 from pipeline.context import StepContext
 from pipeline.errors import (
     ConnectorLifecycleError,
+    DuplicateConnectorError,
     EngineDeadError,
     EngineOverloaded,
     FinalizerError,
@@ -41,7 +42,7 @@ from pipeline.errors import (
 from pipeline.graph import StepGraph
 from pipeline.request import Request, RequestOutput, RequestStatus
 from pipeline.runner import StageRecord, StepReport
-from pipeline.stage import Stage, as_stage, stage
+from pipeline.stage import Finalizer, FunctionStage, Stage, as_stage, is_finalizer, stage
 from pipeline.steplog import StepLog, bind_step
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncEngine",
     "ConnectorLifecycleError",
+    "DuplicateConnectorError",
     "EngineConfig",
     "EngineCore",
     "EngineDeadError",
@@ -59,6 +61,8 @@ __all__ = [
     "EngineStepOutput",
     "FanInOutput",
     "FinalizerError",
+    "Finalizer",
+    "FunctionStage",
     "GraphError",
     "InvalidConfigError",
     "InvalidRequestError",
@@ -91,6 +95,7 @@ __all__ = [
     "WorkerOutput",
     "as_stage",
     "bind_step",
+    "is_finalizer",
     "stage",
 ]
 

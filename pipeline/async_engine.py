@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import deque
@@ -11,18 +12,18 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.engine import EngineCore, GraphArg
 from pipeline.errors import EngineDeadError, EngineOverloaded, InvalidRequestError
+from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
 
 __all__ = ["AsyncEngine", "RequestStream"]
 
-_log = structlog.get_logger("kvstep")
+_log = get_logger()
 
 
 class RequestStream:
@@ -77,10 +78,9 @@ class RequestStream:
         self._close()
 
     def _deliver(self, item: RequestOutput | BaseException) -> None:
-        try:
+        # A consumer that is gone leaves the request to the abort path.
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
             self._send.send_nowait(item)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass  # consumer gone; the abort path owns the request
         if isinstance(item, BaseException) or item.finished:
             self._send.close()
 
@@ -199,10 +199,8 @@ class AsyncEngine:
         with self._abort_lock:
             self._aborts.append(request_id)
         # Event.set is not thread-safe; the loop also polls the deque before each step.
-        try:
+        with contextlib.suppress(RuntimeError):
             self._wakeup.set()
-        except RuntimeError:
-            pass
 
     @property
     def num_requests(self) -> int:

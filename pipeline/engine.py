@@ -10,8 +10,6 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import structlog
-
 from connectors.base import ConnectorContext, KVConnectorRole, KVConnectorScheduler
 from connectors.lifecycle import make_worker
 from connectors.registry import create_connector, get_connector
@@ -21,6 +19,7 @@ from pipeline.context import StepContext
 from pipeline.errors import InvalidConfigError, InvalidRequestError
 from pipeline.executor import InProcessExecutor
 from pipeline.graph import StepGraph
+from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.worker import Worker
@@ -31,7 +30,7 @@ from stages.schedule.scheduler import Scheduler
 
 __all__ = ["EngineCore", "GraphArg"]
 
-_log = structlog.get_logger("kvstep")
+_log = get_logger()
 
 GraphArg = StepGraph | Callable[[StepGraph], StepGraph] | None
 

@@ -1,7 +1,7 @@
 """kvstep's built-in stages and the default step graphs built from them.
 
-    engine:  schedule → execute → fan_in → update
-    worker:  bind → load → forward → {sample | save} → finished ⟂ clear
+engine:  schedule → execute → fan_in → update
+worker:  bind → load → forward → {sample | save} → finished ⟂ clear
 """
 
 from __future__ import annotations

@@ -14,15 +14,15 @@ from typing import ClassVar
 
 import anyio
 import attrs
-import structlog
 
 from pipeline.artifacts import FanInOutput, KVStats, PendingWorkerOutputs, WorkerOutput
 from pipeline.context import StepContext
 from pipeline.errors import WorkerFailedError
+from pipeline.logs import get_logger
 
 __all__ = ["FanInAggregator", "FanInStage"]
 
-_log = structlog.get_logger("kvstep")
+_log = get_logger()
 
 
 class FanInAggregator:

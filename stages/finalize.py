@@ -12,33 +12,32 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import attrs
-import structlog
 
 from connectors.base import KVConnectorWorker
 from pipeline.context import StepContext
 from pipeline.errors import FinalizerError
+from pipeline.logs import get_logger
+from pipeline.stage import Finalizer
 
 __all__ = ["ClearConnectorStage"]
 
-_log = structlog.get_logger("kvstep")
+_log = get_logger()
 _CLEARED = "clear.done"
 
 
 @attrs.frozen
-class ClearConnectorStage:
-    """Calls ``clear_connector_metadata`` on every connector of this rank, once per step."""
+class ClearConnectorStage(Finalizer):
+    """Calls ``clear_connector_metadata`` on every connector of this rank, once per step.
+
+    It has nothing to drain (``wait_for_save`` ran in the body, or the step failed), so
+    it inherits the no-op ``run`` and the runner skips the shielded await entirely.
+    """
 
     name: ClassVar[str] = "clear"
-    requires: ClassVar[tuple[type, ...]] = ()
-    provides: ClassVar[None] = None
-    finalizer: ClassVar[bool] = True
     mandatory: ClassVar[bool] = True
 
     connectors: Sequence[KVConnectorWorker] = ()
     timeout_s: float = 30.0
-
-    async def run(self, ctx: StepContext) -> None:
-        """Nothing to drain: ``wait_for_save`` already ran in the body (or the step failed)."""
 
     def finalize(self, ctx: StepContext) -> None:
         if ctx.scratch.get(_CLEARED):

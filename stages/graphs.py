@@ -1,7 +1,7 @@
 """The default step graphs, built from the built-in stages.
 
-    engine:  schedule → execute → fan_in → update
-    worker:  bind → load → forward → {sample | save} → finished ⟂ clear
+engine:  schedule → execute → fan_in → update
+worker:  bind → load → forward → {sample | save} → finished ⟂ clear
 """
 
 from __future__ import annotations

@@ -18,17 +18,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 from safetensors.torch import save_file
 
 from pipeline.errors import ModelLoadError
+from pipeline.logs import get_logger
 from stages.forward.config import ModelConfig
 from stages.forward.model import CausalLM
 
 __all__ = ["BUILTIN_MODELS", "TINY_CONFIG", "build_tiny_state_dict", "resolve_model_path"]
 
-log = structlog.get_logger("kvstep")
+log = get_logger()
 
 BUILTIN_MODELS = ("builtin:tiny",)
 

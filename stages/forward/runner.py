@@ -12,12 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
-import structlog
 import torch
 
 from connectors.base import ForwardContext, KVConnectorWorker, ModelFingerprint
 from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.errors import InvalidConfigError, StageError
+from pipeline.logs import get_logger
 from stages.forward.builtin import resolve_model_path
 from stages.forward.config import ModelConfig, load_model_config
 from stages.forward.device import DeviceSync, make_device_sync
@@ -29,7 +29,7 @@ from stages.forward.sampling import Sampler
 
 __all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
 
-log = structlog.get_logger("kvstep")
+log = get_logger()
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

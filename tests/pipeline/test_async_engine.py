@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -93,37 +94,44 @@ class TestConcurrency:
         assert max(seen_by_cancelled) < 30
         assert [results[i] for i in range(1, 4)] == expected[1:]
 
-    async def test_event_loop_stays_responsive_during_forward(self, llama_path: Path):
-        """Timer lag on the loop stays well below the duration of the steps running."""
-        prompts = _prompts(16, seed=2)
-        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    async def test_event_loop_stays_responsive_during_forward(
+        self, llama_path: Path, tmp_path: Path
+    ):
+        """Timers keep firing while forward passes run: the loop's lag stays far below
+        the duration of the longest forward pass (which would be the lag if it blocked)."""
+        gen = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, 256, (400,), generator=gen).tolist() for _ in range(12)]
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        log = tmp_path / "steps.jsonl"
         lags: list[float] = []
-        step_times: list[float] = []
-        async with AsyncEngine(_config(llama_path, max_num_batched_tokens=4096)) as engine:
+        config = _config(llama_path, max_num_batched_tokens=8192, step_log=str(log))
+        async with AsyncEngine(config) as engine:
             done = anyio.Event()
 
             async def ticker() -> None:
                 while not done.is_set():
                     t0 = time.perf_counter()
-                    await anyio.sleep(0.002)
-                    lags.append(time.perf_counter() - t0 - 0.002)
+                    await anyio.sleep(0.001)
+                    lags.append(time.perf_counter() - t0 - 0.001)
 
             async def load() -> None:
-                t0 = time.perf_counter()
                 async with anyio.create_task_group() as tg:
                     for p in prompts:
                         tg.start_soon(_drain, engine, p, params)
-                step_times.append((time.perf_counter() - t0) / max(engine.num_steps, 1))
                 done.set()
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker)
                 tg.start_soon(load)
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        forward = max(
+            r["duration_s"] for r in records if r["event"] == "stage" and r["stage"] == "forward"
+        )
         lags.sort()
         p99 = lags[int(0.99 * (len(lags) - 1))]
-        assert len(lags) > 20, "the ticker barely ran: the loop was blocked"
-        # The forward passes run off the loop: lag is a fraction of a whole-run's duration.
-        assert p99 < max(0.05, 0.5 * sum(step_times) * engine.num_steps / 2)
+        print(f"longest forward {forward * 1e3:.1f} ms, loop lag p99 {p99 * 1e3:.2f} ms")
+        assert forward > 0.02, "workload too small to show anything"
+        assert p99 < 0.5 * forward
 
 
 class TestAdmission:

@@ -19,8 +19,9 @@ from pipeline import (
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoints: dict[str, Path]):
-    with LLM(EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32",
-                          max_model_len=64)) as engine:
+    with LLM(
+        EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=64)
+    ) as engine:
         yield engine
 
 
@@ -64,7 +65,7 @@ class TestBadConfig:
     def test_unknown_connector_lists_known(self, tiny_checkpoints: dict[str, Path]) -> None:
         """An unknown connector name is refused, naming it and the registered ones."""
         config = EngineConfig(model=str(tiny_checkpoints["llama"]), connector="nope")
-        with pytest.raises(UnknownConnectorError, match="nope.*recording"):
+        with pytest.raises(UnknownConnectorError, match=r"nope.*recording"):
             LLM(config)
 
     def test_model_dir_without_config_json(self, tmp_path: Path) -> None:

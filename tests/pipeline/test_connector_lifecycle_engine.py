@@ -130,7 +130,7 @@ class TestLifecycle:
             for worker in engine.core.workers:
                 assert worker.connector.connector_metadata is None
         seqs = worker_sequences()
-        for (rank, step), seq in seqs.items():
+        for (_rank, step), seq in seqs.items():
             assert_lifecycle(seq, complete=step != 3)
         assert (0, 3) in seqs and (1, 3) in seqs
 
