@@ -257,4 +257,8 @@ class AsyncEngine:
             dead.__cause__ = exc
             for stream in list(self._streams.values()):
                 stream._deliver(dead)
+            try:  # release what the dead loop held; the scheduler may be inconsistent
+                core.abort(list(self._streams))
+            except Exception as abort_exc:
+                _log.error("engine_dead_abort_failed", error=repr(abort_exc))
             self._streams.clear()

@@ -110,3 +110,26 @@ def _session_cache(factory: pytest.TempPathFactory) -> Path:
     if not _CACHE:
         _CACHE.append(factory.mktemp("kvstep-cache"))
     return _CACHE[0]
+
+
+@pytest.fixture(autouse=True)
+def _leak_oracle(monkeypatch: pytest.MonkeyPatch):
+    """After every engine test: each engine closed in it had leaked nothing.
+
+    ``AsyncEngine`` aborts whatever is still in flight before it closes its core, so at
+    ``EngineCore.aclose`` every block must be free and nothing pending or bound.
+    """
+    from pipeline.engine import EngineCore
+
+    reports: list[dict[str, int]] = []
+    original = EngineCore.aclose
+
+    async def checked_aclose(self: EngineCore) -> None:
+        if not self._closed:
+            reports.append(self.leak_report())
+        await original(self)
+
+    monkeypatch.setattr(EngineCore, "aclose", checked_aclose)
+    yield
+    for report in reports:
+        assert_no_leaks(report)

@@ -9,7 +9,7 @@ would be caught. Block ownership, budgets and ref counts are checked after every
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -95,7 +95,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = (base[:keep] + suffix)[: self.max_len]
         req_id = f"r{self.next_id}"
         self.next_id += 1
-        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=(STOP_TOKEN,) if stop else ())
+        # (a dict: attrs' converter=tuple on stop_token_ids confuses mypy's inference)
+        stops: dict[str, Any] = {"stop_token_ids": (STOP_TOKEN,) if stop else ()}
+        params = SamplingParams(max_tokens=max_tokens, **stops)
         self.scheduler.add_request(Request(req_id, prompt, params))
         self.tokens[req_id] = list(prompt)
         self.params[req_id] = params
