@@ -8,8 +8,9 @@ what is allowed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
@@ -112,7 +113,8 @@ class EngineConfig:
             )
 
 
-Task = Literal["generate"]
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
 
 
 @attrs.frozen(kw_only=True)
@@ -134,12 +136,14 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     ignore_eos: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or (
-            self.max_tokens < 1
+        if (
+            not isinstance(self.max_tokens, int)
+            or isinstance(self.max_tokens, bool)
+            or (self.max_tokens < 1)
         ):
             raise InvalidRequestError("max_tokens", self.max_tokens, "must be an integer >= 1")
         if not isinstance(self.temperature, int | float) or not self.temperature >= 0:

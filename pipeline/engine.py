@@ -124,7 +124,6 @@ class EngineCore:
             ),
         )
         self._ids = itertools.count()
-        self._engine_steps = 0
         self._closed = False
 
     @staticmethod
@@ -218,8 +217,7 @@ class EngineCore:
         Raises only when the scheduler itself failed (no SchedulerOutput was produced),
         which leaves the engine in an unknown state.
         """
-        ctx = StepContext(self._engine_steps, None)
-        self._engine_steps += 1
+        ctx = StepContext(self.scheduler.next_step_id, None)
         with bind_step(ctx.step_id):
             try:
                 await self.engine_graph.run(ctx)

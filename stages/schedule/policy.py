@@ -17,16 +17,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import attrs
-import structlog
 
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput
+from pipeline.logs import get_logger
 from pipeline.request import Request, RequestStatus
 from stages.schedule.kv_manager import ComputedBlocks
 from stages.schedule.state import SchedulerState
 
 __all__ = ["SchedulingLimits", "plan_step"]
 
-log = structlog.get_logger("kvstep")
+log = get_logger()
 
 
 @attrs.frozen(kw_only=True)

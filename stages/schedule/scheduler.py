@@ -217,6 +217,11 @@ class Scheduler:
             self._state.kv.uncache_step_blocks(req_id)
         return self._finish_all(ids, RequestStatus.FINISHED_ERROR, error)
 
+    @property
+    def next_step_id(self) -> int:
+        """The ``step_id`` the next ``schedule()`` call will produce."""
+        return self._next_step_id
+
     def schedule(self) -> SchedulerOutput:
         """Decide the next step; ``step_id`` increases by one on every call, even when
         nothing is scheduled. With a connector, ``build_connector_meta`` is called once

@@ -13,16 +13,16 @@ from __future__ import annotations
 from collections import deque
 
 import attrs
-import structlog
 
 from connectors.base import KVConnectorScheduler
+from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
 from stages.schedule.hashing import BlockHasher
 from stages.schedule.kv_manager import KVCacheManager
 
 __all__ = ["SchedulerState", "make_output"]
 
-log = structlog.get_logger("kvstep")
+log = get_logger()
 
 
 def make_output(request: Request, new_token_ids: tuple[int, ...]) -> RequestOutput:

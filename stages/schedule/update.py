@@ -12,16 +12,16 @@ debug level and dropped.
 from __future__ import annotations
 
 import attrs
-import structlog
 
 from connectors.base import KVConnectorOutput
 from pipeline.artifacts import FanInOutput, SchedulerOutput
+from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
 from stages.schedule.state import SchedulerState, make_output
 
 __all__ = ["UpdatePolicy", "apply_output", "check_stop"]
 
-log = structlog.get_logger("kvstep")
+log = get_logger()
 
 
 @attrs.frozen(kw_only=True)
