@@ -5,68 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+from checkpoints import TINY, build_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-TINY = {
-    "llama": dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    "mistral": dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        sliding_window=None,
-    ),
-    "qwen2": dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-    ),
-}
-
-
-def build_checkpoint(kind: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
-    """Save a random-weight float32 ``kind`` checkpoint with ``save_pretrained``."""
-    import torch
-    import transformers
-
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }[kind]
-    torch.manual_seed(seed)
-    config = config_cls(**{**TINY[kind], **overrides})
-    model = model_cls(config).to(torch.float32).eval()
-    # Larger-than-default init so greedy tokens vary from position to position.
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoints import build_hf_model as _build
 
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput
 from pipeline.config import SamplingParams
@@ -63,23 +64,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def build_hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
-    """A random float32 transformers model with weights large enough to matter."""
-    import transformers
-
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }[kind]
-    torch.manual_seed(seed)
-    model: Any = model_cls(config_cls(**{**_BASE, **overrides})).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.1)
-    return model
+    """A random float32 transformers model on the forward tests' base config."""
+    return _build(kind, seed, base=_BASE, **overrides)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,69 @@
+"""Tiny random Hugging Face checkpoints for the tests (transformers is the oracle)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TINY = {
+    "llama": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        sliding_window=None,
+    ),
+    "qwen2": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+    ),
+}
+
+
+def build_checkpoint(kind: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random-weight float32 ``kind`` checkpoint with ``save_pretrained``."""
+    model = build_hf_model(kind, seed, base=TINY[kind], **overrides)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def build_hf_model(kind: str, seed: int = 0, *, base: dict[str, Any], **overrides: Any) -> Any:
+    """A random float32 transformers model with weights large enough to matter."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    torch.manual_seed(seed)
+    model: Any = model_cls(config_cls(**{**base, **overrides})).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.1)
+    return model
