@@ -10,6 +10,8 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import attrs
+
 from connectors.base import ConnectorContext, KVConnectorRole, KVConnectorScheduler
 from connectors.lifecycle import make_worker
 from connectors.registry import create_connector, get_connector
@@ -18,6 +20,7 @@ from pipeline.config import EngineConfig, SamplingParams
 from pipeline.context import StepContext
 from pipeline.errors import InvalidConfigError, InvalidRequestError
 from pipeline.executor import InProcessExecutor
+from pipeline.failure import describe_failure
 from pipeline.graph import StepGraph
 from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput
@@ -226,18 +229,21 @@ class EngineCore:
                 scheduler_output = ctx.maybe(SchedulerOutput)
                 if scheduler_output is None:
                     raise
+                failure = describe_failure(scheduler_output.step_id, exc, ctx.report)
                 req_ids = [r.req_id for r in scheduler_output.requests]
                 self.aggregator.forget(req_ids)
-                failed = self.scheduler.fail_requests(req_ids, f"step failed: {exc!r}")
+                failed = self.scheduler.fail_requests(req_ids, str(failure))
                 _log.error(
                     "step_failed",
                     step_id=scheduler_output.step_id,
-                    error=repr(exc),
+                    failed_stages=failure.failed_stages,
+                    ranks=failure.ranks,
+                    error=failure.message,
                     requests=req_ids,
                 )
                 result = EngineStepOutput(
                     step_id=scheduler_output.step_id,
-                    outputs=tuple(failed),
+                    outputs=tuple(attrs.evolve(out, failure=failure) for out in failed),
                     num_requests=len(req_ids),
                 )
             finally:

@@ -8,6 +8,9 @@ offending value and what would have been accepted.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
+
+import attrs
 
 __all__ = [
     "ConnectorLifecycleError",
@@ -21,6 +24,8 @@ __all__ = [
     "KvstepError",
     "ModelLoadError",
     "StageError",
+    "StepFailedError",
+    "StepFailure",
     "UnknownConnectorError",
     "WorkerFailedError",
 ]
@@ -139,9 +144,57 @@ class EngineDeadError(KvstepError, RuntimeError):
 
 
 class WorkerFailedError(KvstepError, RuntimeError):
-    """A worker rank raised or missed the fan-in deadline; names the rank."""
+    """A worker rank raised or missed the fan-in deadline; names the rank.
 
-    def __init__(self, rank: int, step_id: int, reason: str) -> None:
+    ``report`` is that rank's step report when it has one (which stage failed, which
+    finalizers failed); ``None`` when the rank gave no answer at all.
+    """
+
+    def __init__(self, rank: int, step_id: int, reason: str, report: Any = None) -> None:
         self.rank = rank
         self.step_id = step_id
+        self.reason = reason
+        self.report = report
         super().__init__(f"step {step_id}: worker rank {rank} failed: {reason}")
+
+
+@attrs.frozen(kw_only=True)
+class StepFailure:
+    """Why a step failed, as data: delivered to every request of that step.
+
+    Attributes:
+        step_id: The step.
+        failed_stages: The stages that raised, ``"stage"`` on the engine and
+            ``"rank<r>:stage"`` on a worker.
+        failed_finalizers: Finalizers that failed (their failure never hides the
+            original error), in the same naming.
+        ranks: The worker ranks that failed or gave no answer.
+        cancelled: Whether the step (or a rank's part of it) was cancelled, e.g. at the
+            fan-in deadline.
+        message: The original error, as text.
+    """
+
+    step_id: int
+    failed_stages: tuple[str, ...] = ()
+    failed_finalizers: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+    cancelled: bool = False
+    message: str = ""
+
+    def __str__(self) -> str:
+        parts = [f"step {self.step_id} failed"]
+        if self.failed_stages:
+            parts.append(f"in {', '.join(self.failed_stages)}")
+        if self.failed_finalizers:
+            parts.append(f"(finalizers failed: {', '.join(self.failed_finalizers)})")
+        if self.cancelled:
+            parts.append("(cancelled)")
+        return " ".join(parts) + (f": {self.message}" if self.message else "")
+
+
+class StepFailedError(KvstepError, RuntimeError):
+    """A request ended because the step it was in failed; carries the :class:`StepFailure`."""
+
+    def __init__(self, failure: StepFailure) -> None:
+        self.failure = failure
+        super().__init__(str(failure))

@@ -8,6 +8,7 @@ import time
 import attrs
 
 from pipeline.config import SamplingParams
+from pipeline.errors import StepFailure
 
 __all__ = ["FINISH_REASONS", "Request", "RequestOutput", "RequestStatus"]
 
@@ -135,6 +136,7 @@ class RequestOutput:
         finish_reason: ``"length" | "stop" | "abort" | "error"`` once finished.
         error: A description of the failure when ``finish_reason == "error"``.
         num_cached_tokens: Prompt tokens served from a cache (local or connector).
+        failure: Why the step this request was in failed (``finish_reason="error"``).
     """
 
     request_id: str
@@ -145,3 +147,4 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    failure: StepFailure | None = None

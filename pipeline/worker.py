@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from connectors.lifecycle import GuardedWorker
 from pipeline.artifacts import SchedulerOutput, WorkerOutput
 from pipeline.context import StepContext
+from pipeline.errors import WorkerFailedError
 from pipeline.graph import StepGraph
 from pipeline.steplog import StepLog, bind_step
 
@@ -48,6 +49,9 @@ class Worker:
         """Run one step of the worker graph; the ``clear`` finalizer runs whatever happens.
 
         Cancellation-safe: cancelling it runs the finalizers and re-raises.
+
+        Raises:
+            WorkerFailedError: A stage or finalizer failed; carries this rank's report.
         """
         step_id = scheduler_output.step_id
         ctx = StepContext(step_id, self.rank, inputs=(scheduler_output,))
@@ -56,6 +60,8 @@ class Worker:
         with bind_step(step_id, self.rank):
             try:
                 await self.graph.run(ctx)
+            except Exception as exc:
+                raise WorkerFailedError(self.rank, step_id, repr(exc), report=ctx.report) from exc
             finally:
                 self.steps += 1
                 if ctx.report is not None:

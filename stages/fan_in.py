@@ -108,7 +108,7 @@ class FanInStage:
         async def collect(rank: int) -> None:
             try:
                 results[rank] = await pending.waiters[rank]()
-            except anyio.get_cancelled_exc_class():
+            except (anyio.get_cancelled_exc_class(), WorkerFailedError):
                 raise
             except Exception as exc:
                 raise WorkerFailedError(rank, pending.step_id, repr(exc)) from exc

@@ -124,6 +124,14 @@ class TestLifecycle:
         ) as engine:
             failed = await _consume(engine, [1, 2, 3, 4, 5], params)
             assert failed.finish_reason == "error"
+            assert failed.failure is not None and failed.failure.step_id == 3
+            assert failed.failure.ranks == (1,)
+            if hang:
+                assert failed.failure.cancelled
+                assert "fan_in" in failed.failure.failed_stages
+            else:
+                assert "rank1:fault" in failed.failure.failed_stages
+                assert "injected fault" in failed.failure.message
             ok = await _consume(engine, [9, 8, 7], params)
             assert ok.finish_reason == "length" and len(ok.token_ids) == 6
             leak_check(engine.leak_report())
