@@ -146,10 +146,17 @@ class WorkerFinished(NamedTuple):
 
 @attrs.frozen(kw_only=True)
 class KVConnectorOutput:
-    """The merged worker-side connector results of one step, for the scheduler half."""
+    """The merged worker-side connector results of one step, for the scheduler half.
+
+    ``expired_sending`` / ``expired_recving``: transfers that some rank never reported
+    within the fan-in lease (``EngineConfig.transfer_lease_s``); the engine freed the
+    blocks (send) or failed the request (load), so the connector can drop them too.
+    """
 
     finished_sending: frozenset[str] = frozenset()
     finished_recving: frozenset[str] = frozenset()
+    expired_sending: frozenset[str] = frozenset()
+    expired_recving: frozenset[str] = frozenset()
     invalid_block_ids: frozenset[int] = frozenset()
     failed_save_req_ids: frozenset[str] = frozenset()
 

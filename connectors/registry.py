@@ -41,6 +41,7 @@ _log = get_logger()
 # Built-in connector name -> module that registers it on import. Add a connector here.
 _BUILTIN_MODULES: Mapping[str, str] = {
     "recording": "connectors.testing",
+    "faulty": "connectors.faults",
     "shared_storage": "connectors.shared_storage",
     "offload": "connectors.offload",
     "redis": "connectors.redis",

@@ -30,8 +30,11 @@ from connectors.base import (
     RequestFinishedResult,
     WorkerFinished,
 )
+from connectors.fault_spec import Fault
+from connectors.faults import FaultyConnector
 from connectors.lifecycle import ALLOWED_PREVIOUS
 from connectors.registry import register_connector
+from stages.fault import FaultStage
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +43,15 @@ if TYPE_CHECKING:
     from pipeline.artifacts import SchedulerOutput
     from pipeline.request import Request
 
-__all__ = ["ConnectorCall", "RecordingConnector", "RecordingMetadata", "check_lifecycle"]
+__all__ = [
+    "ConnectorCall",
+    "Fault",
+    "FaultStage",
+    "FaultyConnector",
+    "RecordingConnector",
+    "RecordingMetadata",
+    "check_lifecycle",
+]
 
 
 @attrs.frozen(kw_only=True)

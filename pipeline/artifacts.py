@@ -183,12 +183,32 @@ class PendingWorkerOutputs:
 
 @attrs.frozen(kw_only=True)
 class FanInOutput:
-    """All ranks' outputs of one step merged (associative, order-free)."""
+    """All ranks' outputs of one step merged (associative, order-free).
+
+    Attributes:
+        step_id: The step.
+        sampled_token_ids: Tokens sampled this step (from the driver rank 0).
+        finished_sending: Requests whose KV every rank has now reported sent (each is
+            released once, possibly steps after the first rank's report).
+        finished_recving: Requests whose KV every rank has now reported received.
+        expired_sending: Requests whose send some rank never reported within the
+            transfer lease; the scheduler frees their delayed blocks.
+        expired_recving: Requests whose load some rank never reported within the
+            transfer lease; the scheduler fails them (``finish_reason="error"``).
+        missing_ranks: For each expired request, the ranks that never reported it.
+        invalid_block_ids: Blocks that failed to load on any rank (union).
+        failed_save_req_ids: Requests whose save failed on any rank (union).
+        stats: Connector traffic of this step, summed over ranks.
+        num_ranks: How many ranks' outputs were merged.
+    """
 
     step_id: int
     sampled_token_ids: dict[str, int] = attrs.field(factory=dict)
     finished_sending: frozenset[str] = frozenset()
     finished_recving: frozenset[str] = frozenset()
+    expired_sending: frozenset[str] = frozenset()
+    expired_recving: frozenset[str] = frozenset()
+    missing_ranks: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     invalid_block_ids: frozenset[int] = frozenset()
     failed_save_req_ids: frozenset[str] = frozenset()
     stats: KVStats = attrs.field(factory=KVStats)

@@ -36,6 +36,11 @@ def _choice(choices: tuple[str, ...]) -> Any:
     return check
 
 
+def _positive_float(inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise InvalidConfigError(attribute.name, value, "must be a number > 0")
+
+
 def _non_negative_float(inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
         raise InvalidConfigError(attribute.name, value, "must be a number >= 0")
@@ -69,6 +74,9 @@ class EngineConfig:
         load_failure_policy: ``"recompute"`` or ``"fail"`` for blocks that fail to load.
         fan_in_timeout_s: Deadline for all ranks' outputs of one step.
         finalizer_timeout_s: Bound on each finalizer's awaited part.
+        transfer_lease_s: How long a KV transfer reported finished by some ranks may
+            wait for the others; then it expires: a send frees its blocks, a load fails
+            its request (``finish_reason="error"``). ``math.inf`` waits forever.
         seed: Seed of the sampler for requests without their own seed.
     """
 
@@ -94,6 +102,7 @@ class EngineConfig:
     )
     fan_in_timeout_s: float = attrs.field(default=300.0, validator=_non_negative_float)
     finalizer_timeout_s: float = attrs.field(default=30.0, validator=_non_negative_float)
+    transfer_lease_s: float = attrs.field(default=60.0, validator=_positive_float)
     seed: int = 0
 
     def __attrs_post_init__(self) -> None:

@@ -116,7 +116,7 @@ class EngineCore:
             for rank, runner in enumerate(runners)
         ]
         self.executor = InProcessExecutor(self.workers)
-        self.aggregator = FanInAggregator(config.world_size)
+        self.aggregator = FanInAggregator(config.world_size, lease_s=config.transfer_lease_s)
         self.engine_graph = _apply(
             engine_graph,
             default_engine_graph(
@@ -203,14 +203,16 @@ class EngineCore:
         self.scheduler.add_request(Request(request_id, prompt, params, eos_token_id=eos))
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        ids = list(request_ids)
-        self.aggregator.forget(ids)
-        return self.scheduler.abort_requests(ids)
+        aborted = self.scheduler.abort_requests(request_ids)
+        self.aggregator.forget(out.request_id for out in aborted)
+        return aborted
 
     def has_work(self) -> bool:
-        """Whether a step would make progress: requests left, or connector transfers."""
+        """Whether a step would make progress: requests left, delayed frees, transfers
+        the connector or fan-in still wait for (their lease expires on a step)."""
         pending = self.connector is not None and self.connector.has_pending_work()
-        return self.scheduler.has_unfinished_requests() or pending
+        waiting = self.aggregator.num_pending > 0
+        return self.scheduler.has_unfinished_requests() or pending or waiting
 
     # --------------------------------------------------------------------- step
 

@@ -17,6 +17,7 @@ __all__ = [
     "DuplicateConnectorError",
     "EngineDeadError",
     "EngineOverloaded",
+    "FaultInjected",
     "FinalizerError",
     "GraphError",
     "InvalidConfigError",
@@ -128,6 +129,29 @@ class FinalizerError(KvstepError, RuntimeError):
         self.failures = dict(failures)
         detail = "; ".join(f"{name}: {exc!r}" for name, exc in self.failures.items())
         super().__init__(f"step {step_id}: finalizer(s) failed: {detail}")
+
+
+class FaultInjected(KvstepError, RuntimeError):
+    """A fault injected on purpose by the fault-injection tools (tests, chaos runs).
+
+    Raised by ``connectors.testing.FaultyConnector`` at a connector call and by
+    ``stages.fault.FaultStage`` in a step graph; never by the engine itself.
+
+    Attributes:
+        call: The connector method, or ``"stage <name>"`` for a fault stage.
+        step: The step it fired in (``None`` outside a step).
+        rank: The rank it fired on (``None`` on the engine side of a stage fault).
+        action: The fault's action (``"raise"``, or the action that could not run).
+    """
+
+    def __init__(
+        self, call: str, step: int | None, rank: int | None, action: str = "raise"
+    ) -> None:
+        self.call = call
+        self.step = step
+        self.rank = rank
+        self.action = action
+        super().__init__(f"injected fault ({action}) at {call} in step {step} on rank {rank}")
 
 
 class EngineOverloaded(KvstepError, RuntimeError):

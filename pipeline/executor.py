@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
+import anyio
+
 from pipeline.artifacts import PendingWorkerOutputs, SchedulerOutput, WorkerOutput
+from pipeline.errors import WorkerFailedError
 from pipeline.worker import Worker
 
 __all__ = ["InProcessExecutor"]
+
+
+async def _rank_step(worker: Worker, scheduler_output: SchedulerOutput) -> WorkerOutput:
+    """One rank's step, as fan-in's task for that rank runs it.
+
+    A cancellation from an enclosing cancel scope (fan-in's deadline or task group, the
+    engine closing) propagates. A native ``task.cancel()`` of the rank's task that no
+    scope asked for (no enclosing scope is cancelled) would otherwise end the task
+    quietly: anyio's task group swallows it and fan-in would merge without this rank.
+    It becomes a :class:`WorkerFailedError` naming the rank instead.
+    """
+    try:
+        return await worker.step(scheduler_output)
+    except anyio.get_cancelled_exc_class() as exc:
+        if anyio.current_effective_deadline() == -math.inf:
+            raise
+        raise WorkerFailedError(
+            worker.rank,
+            scheduler_output.step_id,
+            "its task was cancelled (task.cancel()) before it produced an output",
+        ) from exc
 
 
 class InProcessExecutor:
@@ -30,7 +55,7 @@ class InProcessExecutor:
 
     def submit(self, scheduler_output: SchedulerOutput) -> PendingWorkerOutputs:
         waiters: list[Callable[[], Awaitable[WorkerOutput]]] = [
-            partial(worker.step, scheduler_output) for worker in self.workers
+            partial(_rank_step, worker, scheduler_output) for worker in self.workers
         ]
         return PendingWorkerOutputs(step_id=scheduler_output.step_id, waiters=tuple(waiters))
 

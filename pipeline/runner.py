@@ -44,10 +44,11 @@ _NS = 1e-9
 class _Step:
     """Mutable per-step bookkeeping shared by the body's tasks (one event loop)."""
 
-    __slots__ = ("artifacts", "ctx", "ends", "excs", "plan", "starts")
+    __slots__ = ("artifacts", "cancel", "ctx", "ends", "excs", "plan", "starts")
 
     def __init__(self, plan: StepPlan, ctx: StepContext, size: int) -> None:
         self.plan = plan
+        self.cancel: BaseException | None = None  # a cancellation that ended a stage
         self.ctx = ctx
         self.artifacts = ctx._artifacts
         self.starts = [0] * size
@@ -83,6 +84,8 @@ async def _run_series(items: tuple[Item, ...], st: _Step) -> None:
             if not ends[i]:
                 ends[i] = _now()
             st.excs[i] = exc
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                st.cancel = exc
         raise
 
 
@@ -111,6 +114,7 @@ async def _run_parallel(block: Parallel, st: _Step) -> None:
         error = group.exceptions[0]
     if error is not None:
         raise error  # outside the handler: the stage's exception keeps its own context
+    _reraise_swallowed_cancel(st)
 
 
 async def _run_dataflow(block: Dataflow, st: _Step) -> None:
@@ -133,6 +137,20 @@ async def _run_dataflow(block: Dataflow, st: _Step) -> None:
         error = group.exceptions[0]
     if error is not None:
         raise error
+    _reraise_swallowed_cancel(st)
+
+
+def _reraise_swallowed_cancel(st: _Step) -> None:
+    """Re-raise a stage's cancellation that its block's task group swallowed.
+
+    A native ``task.cancel()`` of a stage's task ends that task with the cancellation;
+    anyio's task group then cancels the sibling stages and exits *normally*. The block
+    did not complete, so the body ends cancelled, as it would had the stage run in the
+    step's own task. (A cancellation from an enclosing scope never gets here: the task
+    group re-raises it itself.)
+    """
+    if st.cancel is not None:
+        raise st.cancel
 
 
 async def run_step(plan: StepPlan, ctx: StepContext) -> StepReport:

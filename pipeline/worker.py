@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from connectors.lifecycle import GuardedWorker
-from pipeline.artifacts import SchedulerOutput, WorkerOutput
+from pipeline.artifacts import ModelOutput, SchedulerOutput, WorkerOutput
 from pipeline.context import StepContext
 from pipeline.errors import WorkerFailedError
 from pipeline.graph import StepGraph
@@ -64,6 +64,8 @@ class Worker:
                 raise WorkerFailedError(self.rank, step_id, repr(exc), report=ctx.report) from exc
             finally:
                 self.steps += 1
+                if ModelOutput not in ctx:
+                    self._forget(scheduler_output.finished_req_ids)
                 if ctx.report is not None:
                     self.step_log.record_step(
                         ctx.report,
@@ -72,6 +74,14 @@ class Worker:
                         num_tokens=scheduler_output.total_num_scheduled_tokens,
                     )
         return ctx.get(WorkerOutput)
+
+    def _forget(self, req_ids: frozenset[str]) -> None:
+        # The forward pass drops the requests the scheduler finished; the scheduler sends
+        # their ids once. A step that ended before its forward pass (a failure, a
+        # cancellation) must drop them here, or this rank keeps their state forever.
+        drop = getattr(self.runner, "drop_requests", None)
+        if req_ids and drop is not None:
+            drop(req_ids)
 
     async def aclose(self) -> None:
         """Close the connector and release the runner; idempotent."""

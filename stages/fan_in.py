@@ -1,97 +1,86 @@
 """``fan_in``: await every rank's ``WorkerOutput`` with a deadline and merge them.
 
-Merging is associative and order-free: sampled tokens come from the driver rank (0),
-load-error block ids and failed saves are unioned, stats are summed. A request's
-``finished_sending`` / ``finished_recving`` is released to the scheduler only once every
-rank has reported it, possibly in different steps: the aggregator keeps the *set* of
-ranks per request, so a rank reporting twice counts once.
+The merging itself (driver rank's tokens, unions, summed stats, per-request rank sets
+with leases) is :class:`~stages.aggregator.FanInAggregator`'s; this stage awaits the
+ranks concurrently and turns a rank that raises or misses the deadline into a
+:class:`~pipeline.errors.WorkerFailedError` that names every failing rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import ClassVar
 
 import anyio
 import attrs
 
-from pipeline.artifacts import FanInOutput, KVStats, PendingWorkerOutputs, WorkerOutput
+from pipeline.artifacts import FanInOutput, PendingWorkerOutputs, WorkerOutput
 from pipeline.context import StepContext
 from pipeline.errors import WorkerFailedError
-from pipeline.logs import get_logger
+from stages.aggregator import FanInAggregator
 
 __all__ = ["FanInAggregator", "FanInStage"]
 
-_log = get_logger()
 
+def _combine(step_id: int, failures: Sequence[WorkerFailedError]) -> WorkerFailedError:
+    """One error for the step that names every failing rank (lowest rank first).
 
-class FanInAggregator:
-    """Tracks, per request, which ranks reported its transfer finished.
-
-    Not thread-safe; owned by the engine's event loop.
+    With one failure that failure is returned as is. With several, a new error carries
+    the lowest rank and its report, and a message naming every rank and its reason; the
+    other ranks' errors (and the first one's cause) are chained as an exception group in
+    ``__cause__``, where :func:`pipeline.failure.describe_failure` finds them.
     """
+    ordered = sorted(failures, key=lambda f: f.rank)
+    if len(ordered) == 1:
+        return ordered[0]
+    first, rest = ordered[0], ordered[1:]
+    ranks = ", ".join(str(f.rank) for f in ordered)
+    also = "; ".join(f"rank {f.rank}: {f.reason}" for f in rest)
+    combined = WorkerFailedError(
+        first.rank, step_id, f"{first.reason}; also failed: {also}", report=first.report
+    )
+    chained: list[Exception] = list(rest)
+    if isinstance(first.__cause__, Exception):
+        chained.insert(0, first.__cause__)
+    combined.__cause__ = ExceptionGroup(f"step {step_id}: worker ranks {ranks} failed", chained)
+    return combined
 
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self._sending: dict[str, set[int]] = {}
-        self._recving: dict[str, set[int]] = {}
 
-    def merge(self, step_id: int, outputs: Iterable[WorkerOutput]) -> FanInOutput:
-        """Merge one step's outputs (one per rank, any order)."""
-        sampled: dict[str, int] = {}
-        invalid: set[int] = set()
-        failed_saves: set[str] = set()
-        stats = KVStats()
-        released_sending: set[str] = set()
-        released_recving: set[str] = set()
-        count = 0
-        for out in outputs:
-            count += 1
-            if out.rank == 0:
-                sampled = dict(out.sampled_token_ids)
-            invalid |= out.invalid_block_ids
-            failed_saves |= out.failed_save_req_ids
-            stats = stats + out.stats
-            released_sending |= self._record(self._sending, out.finished_sending, out.rank)
-            released_recving |= self._record(self._recving, out.finished_recving, out.rank)
-        return FanInOutput(
-            step_id=step_id,
-            sampled_token_ids=sampled,
-            finished_sending=frozenset(released_sending),
-            finished_recving=frozenset(released_recving),
-            invalid_block_ids=frozenset(invalid),
-            failed_save_req_ids=frozenset(failed_saves),
-            stats=stats,
-            num_ranks=count,
-        )
-
-    def forget(self, req_ids: Iterable[str]) -> None:
-        """Drop pending entries of aborted or failed requests."""
-        for req_id in req_ids:
-            self._sending.pop(req_id, None)
-            self._recving.pop(req_id, None)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._sending) + len(self._recving)
-
-    def _record(self, table: dict[str, set[int]], req_ids: Iterable[str], rank: int) -> set[str]:
-        released: set[str] = set()
-        for req_id in req_ids:
-            ranks = table.setdefault(req_id, set())
-            ranks.add(rank)
-            if len(ranks) >= self.world_size:
-                del table[req_id]
-                released.add(req_id)
-        return released
+def _worker_failures(group: BaseExceptionGroup) -> list[WorkerFailedError] | None:
+    """The WorkerFailedErrors of a task-group error, or ``None`` if it holds others."""
+    found: list[WorkerFailedError] = []
+    for exc in group.exceptions:
+        if isinstance(exc, WorkerFailedError):
+            found.append(exc)
+        elif isinstance(exc, BaseExceptionGroup):
+            nested = _worker_failures(exc)
+            if nested is None:
+                return None
+            found.extend(nested)
+        else:
+            return None
+    return found
 
 
 @attrs.frozen
 class FanInStage:
     """Awaits all ranks concurrently under ``timeout_s``; a failing rank fails the step.
 
-    Each rank's worker graph runs its own finalizers whether or not another rank fails:
-    when one raises, the task group cancels the others, whose ``clear`` still runs.
+    Rank 0 runs in the current task and ranks 1..N-1 as tasks of one task group (one
+    rank: no task group at all). Each rank's worker graph runs its own finalizers
+    whether or not another rank fails: when one raises, the task group cancels the
+    others, whose ``clear`` still runs.
+
+    When the step fails, the transfer reports of the ranks that did answer are still
+    recorded (:meth:`FanInAggregator.record`): their connectors will not repeat them.
+
+    Cancellation-safe: cancelling the step cancels every rank's task (each runs its
+    finalizers) and re-raises.
+
+    Raises:
+        WorkerFailedError: A rank raised, or gave no output within ``timeout_s``. With
+            several failing ranks, the message names each one and the others' errors
+            are chained in ``__cause__``.
     """
 
     name: ClassVar[str] = "fan_in"
@@ -103,6 +92,7 @@ class FanInStage:
 
     async def run(self, ctx: StepContext) -> FanInOutput:
         pending = ctx.get(PendingWorkerOutputs)
+        step_id = pending.step_id
         results: list[WorkerOutput | None] = [None] * len(pending.waiters)
 
         async def collect(rank: int) -> None:
@@ -111,22 +101,35 @@ class FanInStage:
             except (anyio.get_cancelled_exc_class(), WorkerFailedError):
                 raise
             except Exception as exc:
-                raise WorkerFailedError(rank, pending.step_id, repr(exc)) from exc
+                raise WorkerFailedError(rank, step_id, repr(exc)) from exc
 
+        num_ranks = len(pending.waiters)
+        error: WorkerFailedError | None = None
         try:
             with anyio.fail_after(self.timeout_s):
-                async with anyio.create_task_group() as tg:
-                    for rank in range(len(pending.waiters)):
-                        tg.start_soon(collect, rank)
+                if num_ranks == 1:
+                    await collect(0)  # no task group: nothing else to cancel
+                elif num_ranks > 1:
+                    async with anyio.create_task_group() as tg:
+                        for rank in range(1, num_ranks):
+                            tg.start_soon(collect, rank, name=f"kvstep-rank{rank}")
+                        await collect(0)  # the driver rank in this task: one spawn less
         except TimeoutError:
             missing = [rank for rank, out in enumerate(results) if out is None]
-            raise WorkerFailedError(
-                missing[0] if missing else -1,
-                pending.step_id,
-                f"no output within the fan-in deadline of {self.timeout_s}s (ranks {missing})",
-            ) from None
-        except ExceptionGroup as group:
-            first = group.exceptions[0]
-            raise first from group
-        outputs = [out for out in results if out is not None]
-        return self.aggregator.merge(pending.step_id, outputs)
+            reason = f"no output within the fan-in deadline of {self.timeout_s}s"
+            error = _combine(step_id, [WorkerFailedError(r, step_id, reason) for r in missing])
+        except WorkerFailedError as exc:
+            error = exc
+        except BaseExceptionGroup as group:
+            failures = _worker_failures(group)
+            if not failures:
+                self.aggregator.record(step_id, [out for out in results if out is not None])
+                raise
+            error = _combine(step_id, failures)
+        answered = [out for out in results if out is not None]
+        if error is not None:
+            # Raised outside the handler so that the failures are chained only once
+            # (``__cause__``), never again as ``__context__``.
+            self.aggregator.record(step_id, answered)
+            raise error
+        return self.aggregator.merge(step_id, answered)

@@ -59,7 +59,11 @@ def default_engine_graph(
     aggregator: FanInAggregator,
     fan_in_timeout_s: float = 300.0,
 ) -> StepGraph:
-    """The engine graph: one step of scheduling, execution on all ranks, and update."""
+    """The engine graph: one step of scheduling, execution on all ranks, and update.
+
+    ``aggregator`` carries the transfer lease (``FanInAggregator(lease_s=...)``) and is
+    shared with the engine, which forgets aborted requests in it.
+    """
     return StepGraph(
         [
             ScheduleStage(scheduler),

@@ -8,7 +8,7 @@ so the event loop stays responsive. One call at a time (not thread-safe).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -328,6 +328,14 @@ class ModelRunner:
                 [r.num_output_tokens for r in scheduled],
             )
         return SampledTokens(token_ids=dict(zip(model_output.req_ids, tokens, strict=True)))
+
+    def drop_requests(self, req_ids: Iterable[str]) -> None:
+        """Forget the state of ``req_ids`` (unknown ids are ignored), as a step does.
+
+        For a step that ended before its forward pass. Not thread-safe: never while a
+        forward pass runs.
+        """
+        self._states.drop(req_ids)
 
     def block_table(self, req_id: str) -> tuple[int, ...]:
         """The block table this worker holds for ``req_id`` (KeyError when unknown)."""

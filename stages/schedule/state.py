@@ -59,6 +59,10 @@ class SchedulerState:
             ``finished_sending``.
         async_loads: Parked requests and the number of computed tokens they will have
             once their load completes.
+        num_expired_sending: Delayed frees released because some rank never reported
+            the send within the transfer lease (not a leak; a count for metrics).
+        num_expired_recving: Parked requests failed because some rank never reported
+            the load within the transfer lease.
     """
 
     kv: KVCacheManager
@@ -71,6 +75,8 @@ class SchedulerState:
     sent_blocks: dict[str, int] = attrs.field(factory=dict)
     delayed_free: dict[str, Request] = attrs.field(factory=dict)
     async_loads: dict[str, int] = attrs.field(factory=dict)
+    num_expired_sending: int = 0
+    num_expired_recving: int = 0
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Move ``request`` to the terminal ``status`` and release what it holds.

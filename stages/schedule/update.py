@@ -4,9 +4,11 @@ In order: blocks that failed to load (truncate and recompute, or fail the reques
 per ``load_failure_policy``); sampled tokens, block hashes and stop checks for the
 requests the step scheduled; async loads that completed (``finished_recving``: the
 request becomes schedulable); sends that completed (``finished_sending``: delayed
-blocks are freed); finally ``update_connector_output`` once. Tokens, loads and sends
-of requests the scheduler no longer knows (aborted while the step ran) are logged at
-debug level and dropped.
+blocks are freed); transfers whose fan-in lease expired (``expired_sending``: delayed
+blocks are freed anyway; ``expired_recving``: the parked request fails alone with
+``"error"``); finally ``update_connector_output`` once. Tokens, loads, sends and
+expirations of requests the scheduler no longer knows (aborted while the step ran, or
+released after they ended) are logged at debug level and dropped.
 """
 
 from __future__ import annotations
@@ -93,11 +95,14 @@ def apply_output(
         outputs.append(make_output(request, (token,)))
     _finish_recving(state, output.finished_recving)
     _finish_sending(state, output)
+    _expire_transfers(state, output, outputs)
     if state.connector is not None:
         state.connector.update_connector_output(
             KVConnectorOutput(
                 finished_sending=output.finished_sending,
                 finished_recving=output.finished_recving,
+                expired_sending=output.expired_sending,
+                expired_recving=output.expired_recving,
                 invalid_block_ids=output.invalid_block_ids,
                 failed_save_req_ids=output.failed_save_req_ids,
             )
@@ -180,3 +185,32 @@ def _finish_sending(state: SchedulerState, output: FanInOutput) -> None:
     for req_id in sorted(output.failed_save_req_ids):
         released = state.release_delayed(req_id)
         log.warning("KV save failed", req_id=req_id, blocks_released=released)
+
+
+def _expire_transfers(
+    state: SchedulerState, output: FanInOutput, outputs: list[RequestOutput]
+) -> None:
+    """Transfers that some rank never reported within the lease: a send frees the
+    delayed blocks (the request already finished for its caller); a load fails its
+    parked request alone, naming the silent ranks, and frees its blocks."""
+    for req_id in sorted(output.expired_sending):
+        missing = list(output.missing_ranks.get(req_id, ()))
+        if state.release_delayed(req_id):
+            state.num_expired_sending += 1
+            log.warning("KV send expired; blocks freed", req_id=req_id, missing_ranks=missing)
+        else:
+            log.debug("expired send of a request without delayed blocks dropped", req_id=req_id)
+    for req_id in sorted(output.expired_recving):
+        request = state.requests.get(req_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            log.debug("expired load of a request not waiting for KV dropped", req_id=req_id)
+            continue
+        missing = list(output.missing_ranks.get(req_id, ()))
+        error = (
+            f"step {output.step_id}: KV load of {req_id!r} never completed on "
+            f"rank(s) {', '.join(map(str, missing))} within the transfer lease"
+        )
+        state.num_expired_recving += 1
+        log.warning("KV load expired; request failed", req_id=req_id, missing_ranks=missing)
+        state.finish(request, RequestStatus.FINISHED_ERROR, error)
+        outputs.append(make_output(request, ()))

@@ -1,0 +1,37 @@
+"""The worker half's bookkeeping: totals since start and the state of one step."""
+
+from __future__ import annotations
+
+import attrs
+
+from connectors.offload.metadata import BlockCopy
+from connectors.offload.pool import CopyRun
+from stages.forward.device import DeviceEvent
+
+__all__ = ["OffloadWorkerStats", "StepState"]
+
+
+@attrs.frozen(kw_only=True)
+class OffloadWorkerStats:
+    """Blocks moved by one rank since it started (``OffloadWorker.stats``)."""
+
+    loaded_blocks: int = 0
+    load_errors: int = 0
+    saved_blocks: int = 0
+    failed_saves: int = 0
+
+
+@attrs.define
+class StepState:
+    """One step's state of a worker; written on the event loop before the forward
+    thread reads it (``save_failed`` is also written by the forward thread, under the
+    worker's lock)."""
+
+    saves: list[BlockCopy] = attrs.Factory(list)
+    save_runs: list[CopyRun] = attrs.Factory(list)
+    save_failed: set[str] = attrs.Factory(set)
+    save_events: list[DeviceEvent] = attrs.Factory(list)
+    load_req: dict[int, str] = attrs.Factory(dict)  # block id -> request (sync loads)
+    load_errors: set[int] = attrs.Factory(set)
+    loaded_blocks: int = 0
+    saved_blocks: int = 0
