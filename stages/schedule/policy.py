@@ -119,9 +119,12 @@ def _schedule_waiting(
         num_computed = request.num_computed_tokens + hit.num_computed_tokens
         num_computed += admission.num_external
         num_new = 0 if admission.load_async else min(request.num_tokens - num_computed, budget)
+        # A parked request reserves room for one more token now: once its load lands it
+        # can always run, even when parked loads hold every other block (nothing waiting
+        # can preempt, so without the room they would wait for each other forever).
         new_blocks = state.kv.allocate_slots(
             request,
-            num_new,
+            1 if admission.load_async else num_new,
             hit.num_computed_tokens,
             hit.blocks,
             admission.num_external,

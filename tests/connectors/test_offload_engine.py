@@ -152,6 +152,20 @@ class TestReuse:
             assert [o.token_ids for o in llm.generate(prompts, params)] == expected
             assert workers(llm)[0].stats.load_errors == 0
 
+    @pytest.mark.timeout(120)
+    def test_async_loads_under_block_pressure_do_not_deadlock(self, llama_path):
+        """Parked async loads keep room for their next token: with a 14-block cache and
+        preemption, every request still completes with the outputs of a plain run."""
+        prompts = workload()
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        small = dict(num_gpu_blocks=14, connector=None, connector_options={})
+        with LLM(config(llama_path, **small)) as llm:
+            expected = [o.token_ids for o in llm.generate(prompts, params)]
+        options = {"num_blocks": 64, "async_load": True}
+        with LLM(config(llama_path, num_gpu_blocks=14, connector_options=options)) as llm:
+            for _ in range(3):
+                assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
     def test_async_load(self, llama_path, reference):
         """With async_load, hits park the request until loaded; outputs are identical."""
         prompts = workload()
