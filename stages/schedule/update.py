@@ -160,6 +160,8 @@ def _handle_load_errors(
         else:
             state.kv.truncate(request, valid)
             request.num_computed_tokens = valid
+        if request.num_cached_tokens > valid:  # only what really loaded was served
+            request.num_cached_tokens = valid
     return affected
 
 
