@@ -64,7 +64,7 @@ class Worker:
                 raise WorkerFailedError(self.rank, step_id, repr(exc), report=ctx.report) from exc
             finally:
                 self.steps += 1
-                if False:
+                if ModelOutput not in ctx:
                     self._forget(scheduler_output.finished_req_ids)
                 if ctx.report is not None:
                     self.step_log.record_step(
