@@ -7,9 +7,11 @@ the step loop) and, through it, by :class:`~pipeline.llm.LLM`.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import anyio
 import attrs
 
 from connectors.base import ConnectorContext, KVConnectorRole, KVConnectorScheduler
@@ -18,7 +20,7 @@ from connectors.registry import create_connector, get_connector
 from pipeline.artifacts import EngineStepOutput, SchedulerOutput
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.context import StepContext
-from pipeline.errors import InvalidConfigError, InvalidRequestError
+from pipeline.errors import InvalidConfigError, InvalidRequestError, StepCancelledError
 from pipeline.executor import InProcessExecutor
 from pipeline.failure import describe_failure
 from pipeline.graph import StepGraph
@@ -49,6 +51,18 @@ def _apply(custom: GraphArg, default: StepGraph) -> StepGraph:
             "graph", graph, "a graph function must return a StepGraph (e.g. g.insert_after(...))"
         )
     return graph
+
+
+def _uncancel() -> None:
+    """Consume a native ``task.cancel()`` that was turned into a step failure (asyncio)."""
+    try:
+        import asyncio
+
+        task = asyncio.current_task()
+    except RuntimeError:  # not running under asyncio (trio has no native cancel)
+        return
+    if task is not None and task.cancelling():
+        task.uncancel()
 
 
 class EngineCore:
@@ -210,9 +224,17 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether a step would make progress: requests left, delayed frees, transfers
         the connector or fan-in still wait for (their lease expires on a step)."""
-        pending = self.connector is not None and self.connector.has_pending_work()
         waiting = self.aggregator.num_pending > 0
-        return self.scheduler.has_unfinished_requests() or pending or waiting
+        return self.scheduler.has_unfinished_requests() or waiting or self._connector_pending()
+
+    def _connector_pending(self) -> bool:
+        if self.connector is None:
+            return False
+        try:
+            return bool(self.connector.has_pending_work())
+        except Exception as exc:  # a failing probe must not kill the loop; assume drained
+            _log.error("connector has_pending_work failed", error=repr(exc))
+            return False
 
     # --------------------------------------------------------------------- step
 
@@ -225,7 +247,13 @@ class EngineCore:
         ctx = StepContext(self.scheduler.next_step_id, None)
         with bind_step(ctx.step_id):
             try:
-                await self.engine_graph.run(ctx)
+                try:
+                    await self.engine_graph.run(ctx)
+                except anyio.get_cancelled_exc_class() as cancel:
+                    if anyio.current_effective_deadline() == -math.inf:
+                        raise  # a cancel scope around the engine asked: propagate
+                    _uncancel()
+                    raise StepCancelledError(ctx.step_id) from cancel
                 result = ctx.get(EngineStepOutput)
             except Exception as exc:
                 scheduler_output = ctx.maybe(SchedulerOutput)

@@ -25,6 +25,7 @@ __all__ = [
     "KvstepError",
     "ModelLoadError",
     "StageError",
+    "StepCancelledError",
     "StepFailedError",
     "StepFailure",
     "UnknownConnectorError",
@@ -222,3 +223,14 @@ class StepFailedError(KvstepError, RuntimeError):
     def __init__(self, failure: StepFailure) -> None:
         self.failure = failure
         super().__init__(str(failure))
+
+
+class StepCancelledError(KvstepError, RuntimeError):
+    """A step was cancelled by a native ``task.cancel()`` that no cancel scope asked for.
+
+    The engine fails that step's requests (``StepFailure.cancelled``) and keeps serving.
+    """
+
+    def __init__(self, step_id: int) -> None:
+        self.step_id = step_id
+        super().__init__(f"step {step_id}: a stage's task was cancelled (task.cancel())")

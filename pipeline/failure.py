@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.errors import StepFailure, WorkerFailedError
+from pipeline.errors import StepCancelledError, StepFailure, WorkerFailedError
 from pipeline.report import StepReport
 
 __all__ = ["describe_failure"]
@@ -43,6 +43,11 @@ def describe_failure(step_id: int, exc: BaseException, report: StepReport | None
     if report is not None:
         if report.failed_stage:
             stages.append(report.failed_stage)
+        stages.extend(
+            r.name
+            for r in report.stages
+            if r.outcome == "cancelled" and not r.finalizer and r.name != report.failed_stage
+        )
         finalizers.extend(report.finalizer_failures)
         cancelled = report.outcome == "cancelled"
     for worker in sorted(_worker_failures(exc), key=lambda w: w.rank):
@@ -56,6 +61,8 @@ def describe_failure(step_id: int, exc: BaseException, report: StepReport | None
             cancelled = cancelled or wreport.outcome == "cancelled"
         else:
             cancelled = True  # no report: the rank never answered (deadline)
+    if isinstance(exc, StepCancelledError):
+        cancelled = True
     return StepFailure(
         step_id=step_id,
         failed_stages=tuple(stages),

@@ -77,10 +77,11 @@ class FaultStage:
         step: Fire only in this step; ``None``: every step.
         rank: Fire only on this rank (``ctx.rank``; ``None`` on the engine graph);
             ``None``: every rank.
-        times: Fire at most this many times in all, over every graph this instance is
-            in (a ``worker_graph`` function shares one instance across ranks);
-            ``None``: every match.
+        times: Fire at most this many times (default 1) in all, over every graph this
+            instance is in (a ``worker_graph`` function shares one instance across
+            ranks); ``None``: every match.
         hang_s: Seconds a ``"hang"`` waits.
+        fired: ``(step_id, rank)`` of each firing, in order (not an init argument).
 
     Cancellation-safe: a step cancelled while it hangs is cancelled at the sleep.
 
@@ -96,6 +97,7 @@ class FaultStage:
     rank: int | None = attrs.field(default=None, validator=_check)
     times: int | None = attrs.field(default=1, validator=_check)
     hang_s: float = attrs.field(default=60.0, validator=_check)
+    fired: list[tuple[int, int | None]] = attrs.field(init=False, factory=list, eq=False)
     _budget: _Budget = attrs.field(init=False, eq=False, repr=False)
 
     @_budget.default
@@ -110,6 +112,7 @@ class FaultStage:
             and self._budget.take()
         )
         if fires:
+            self.fired.append((ctx.step_id, ctx.rank))
             call = f"stage {self.name}"
             if self.action == "raise":
                 raise FaultInjected(call, ctx.step_id, ctx.rank)

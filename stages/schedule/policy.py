@@ -22,7 +22,7 @@ from pipeline.artifacts import ScheduledRequest, SchedulerOutput
 from pipeline.logs import get_logger
 from pipeline.request import Request, RequestStatus
 from stages.schedule.kv_manager import ComputedBlocks
-from stages.schedule.state import SchedulerState
+from stages.schedule.state import SchedulerState, make_output
 
 __all__ = ["SchedulingLimits", "plan_step"]
 
@@ -111,7 +111,11 @@ def _schedule_waiting(
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             skipped.append(state.waiting.popleft())
             continue
-        admission = _admission(state, request)
+        try:
+            admission = _admission(state, request)
+        except Exception as exc:  # a failing connector lookup fails this request alone
+            _fail(state, request, "get_num_new_matched_tokens", exc)
+            continue
         if admission is None:  # the connector cannot tell yet: ask again next step
             skipped.append(state.waiting.popleft())
             continue
@@ -133,9 +137,13 @@ def _schedule_waiting(
         if new_blocks is None:  # FCFS: nobody behind it may jump the queue
             break
         if state.connector is not None:
-            state.connector.update_state_after_alloc(
-                request, state.kv.get_block_ids(request.request_id), admission.num_external
-            )
+            try:
+                state.connector.update_state_after_alloc(
+                    request, state.kv.get_block_ids(request.request_id), admission.num_external
+                )
+            except Exception as exc:
+                _fail(state, request, "update_state_after_alloc", exc)
+                continue
         state.waiting.popleft()
         if admission.load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -150,6 +158,16 @@ def _schedule_waiting(
         scheduled.append(_schedule(state, request, num_new))
         budget -= num_new
     state.waiting.extendleft(reversed(skipped))
+
+
+def _fail(state: SchedulerState, request: Request, call: str, exc: Exception) -> None:
+    """Fail one waiting request whose connector call raised (``finish`` takes it out of
+    the waiting queue); its final output waits in the state for the next update."""
+    error = f"connector {call} failed: {exc!r}"
+    log.error("connector call failed", req_id=request.request_id, call=call, error=repr(exc))
+    state.kv.uncache_step_blocks(request.request_id)  # nothing was computed into them
+    state.finish(request, RequestStatus.FINISHED_ERROR, error)
+    state.pending_outputs.append(make_output(request, ()))
 
 
 def _admission(state: SchedulerState, request: Request) -> _Admission | None:

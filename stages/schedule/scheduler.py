@@ -25,12 +25,15 @@ from connectors.base import KVConnectorScheduler
 from pipeline.artifacts import FanInOutput, SchedulerOutput
 from pipeline.config import LOAD_FAILURE_POLICIES, EngineConfig
 from pipeline.errors import InvalidConfigError, InvalidRequestError, StageError
+from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
 from stages.schedule.hashing import BlockHasher
 from stages.schedule.kv_manager import KVCacheManager
 from stages.schedule.policy import SchedulingLimits, plan_step
 from stages.schedule.state import SchedulerState, make_output
 from stages.schedule.update import UpdatePolicy, apply_output
+
+log = get_logger()
 
 __all__ = ["Scheduler"]
 
@@ -215,7 +218,7 @@ class Scheduler:
         ids = list(req_ids)
         for req_id in ids:
             self._state.kv.uncache_step_blocks(req_id)
-        return self._finish_all(ids, RequestStatus.FINISHED_ERROR, error)
+        return self._take_pending(self._finish_all(ids, RequestStatus.FINISHED_ERROR, error))
 
     @property
     def next_step_id(self) -> int:
@@ -232,9 +235,27 @@ class Scheduler:
         output = plan_step(self._state, self._limits, step_id)
         connector = self._state.connector
         if connector is not None:
-            metadata = connector.build_connector_meta(output)
+            try:
+                metadata = connector.build_connector_meta(output)
+            except Exception as exc:
+                return self._drop_step(output, exc)
             output = attrs.evolve(output, kv_connector_metadata=metadata)
         return output
+
+    def _drop_step(self, output: SchedulerOutput, exc: Exception) -> SchedulerOutput:
+        """``build_connector_meta`` raised: the step's requests fail alone (their outputs
+        come with the next update) and the step runs empty, without metadata."""
+        log.error("connector build_connector_meta failed", step_id=output.step_id, error=repr(exc))
+        ids = [item.req_id for item in output.requests]
+        for req_id in ids:
+            self._state.kv.uncache_step_blocks(req_id)
+        failed = self._finish_all(
+            ids, RequestStatus.FINISHED_ERROR, f"connector build_connector_meta failed: {exc!r}"
+        )
+        self._state.pending_outputs.extend(failed)
+        return attrs.evolve(
+            output, requests=(), finished_req_ids=output.finished_req_ids | frozenset(ids)
+        )
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, output: FanInOutput
@@ -258,7 +279,16 @@ class Scheduler:
                 scheduler_output.step_id,
                 f"fan-in output of step {output.step_id} does not match this step",
             )
-        return apply_output(self._state, scheduler_output, output, self._update_policy)
+        outputs = apply_output(self._state, scheduler_output, output, self._update_policy)
+        return self._take_pending(outputs)
+
+    def _take_pending(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Prepend the outputs of requests that failed while the step was planned."""
+        if not self._state.pending_outputs:
+            return outputs
+        pending = self._state.pending_outputs
+        self._state.pending_outputs = []
+        return [*pending, *outputs]
 
     def has_unfinished_requests(self) -> bool:
         """Whether the engine must keep stepping: requests to run, or finished requests

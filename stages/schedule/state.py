@@ -59,6 +59,8 @@ class SchedulerState:
             ``finished_sending``.
         async_loads: Parked requests and the number of computed tokens they will have
             once their load completes.
+        pending_outputs: Final outputs of requests that failed while a step was being
+            planned (a connector call raised); the next update returns them.
         num_expired_sending: Delayed frees released because some rank never reported
             the send within the transfer lease (not a leak; a count for metrics).
         num_expired_recving: Parked requests failed because some rank never reported
@@ -75,6 +77,7 @@ class SchedulerState:
     sent_blocks: dict[str, int] = attrs.field(factory=dict)
     delayed_free: dict[str, Request] = attrs.field(factory=dict)
     async_loads: dict[str, int] = attrs.field(factory=dict)
+    pending_outputs: list[RequestOutput] = attrs.field(factory=list)
     num_expired_sending: int = 0
     num_expired_recving: int = 0
 

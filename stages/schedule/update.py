@@ -97,16 +97,22 @@ def apply_output(
     _finish_sending(state, output)
     _expire_transfers(state, output, outputs)
     if state.connector is not None:
-        state.connector.update_connector_output(
-            KVConnectorOutput(
-                finished_sending=output.finished_sending,
-                finished_recving=output.finished_recving,
-                expired_sending=output.expired_sending,
-                expired_recving=output.expired_recving,
-                invalid_block_ids=output.invalid_block_ids,
-                failed_save_req_ids=output.failed_save_req_ids,
-            )
+        result = KVConnectorOutput(
+            finished_sending=output.finished_sending,
+            finished_recving=output.finished_recving,
+            expired_sending=output.expired_sending,
+            expired_recving=output.expired_recving,
+            invalid_block_ids=output.invalid_block_ids,
+            failed_save_req_ids=output.failed_save_req_ids,
         )
+        try:
+            state.connector.update_connector_output(result)
+        except Exception as exc:  # the requests of this step are done; keep their outputs
+            log.error(
+                "connector update_connector_output failed",
+                step_id=scheduler_output.step_id,
+                error=repr(exc),
+            )
     return outputs
 
 

@@ -535,13 +535,15 @@ class TestFaultStage:
     @pytest.mark.anyio
     async def test_raises_at_its_step_and_rank_only(self) -> None:
         """It raises FaultInjected naming the stage in its step on its rank, else passes."""
-        graph = self._graph(FaultStage(action="raise", requires=(SchedulerOutput,), step=2, rank=1))
+        stage = FaultStage(action="raise", requires=(SchedulerOutput,), step=2, rank=1)
+        graph = self._graph(stage)
         for step, rank in ((1, 1), (2, 0)):
             await graph.run(StepContext(step, rank, inputs=(_output(step),)))
         with pytest.raises(FaultInjected) as info:
             await graph.run(StepContext(2, 1, inputs=(_output(2),)))
         assert (info.value.call, info.value.step, info.value.rank) == ("stage fault", 2, 1)
         await graph.run(StepContext(2, 1, inputs=(_output(2),)))  # times=1: used up
+        assert stage.fired == [(2, 1)]
 
     @pytest.mark.anyio
     async def test_provides_its_marker_when_it_passes(self) -> None:

@@ -6,8 +6,9 @@ gone mid-stream, ``engine.abort``) and faults (raise / hang / cancel / corrupt a
 connector call or worker stage, any rank, any step). After the run: every rank cleared
 exactly once per step and nothing followed the clear, no metadata is bound, nothing
 leaked, and every request ended exactly once, with the fault-free engine's tokens or a
-typed error. The failing examples of what the engine does not handle yet are below,
-marked ``xfail`` with the reason.
+typed error. Below, one example each of faults that once stopped the engine (a raising
+scheduler-side connector call, a native cancel in the engine graph): they fail at most
+their own requests now.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pipeline import (
     StepGraph,
     WorkerOutput,
 )
-from pipeline.errors import EngineDeadError, StepFailure
+from pipeline.errors import StepFailure
 
 STAGE_ARTIFACTS: dict[str, type] = {
     "bind": MetadataBound,
@@ -59,12 +60,17 @@ WORKER_CALLS = (
     "get_kv_stats",
     "clear_connector_metadata",
 )
-# Scheduler-side faults the engine handles; the others are the xfail cases below.
+# Scheduler-side faults: a raising call fails at most the requests it was about.
 SCHEDULER_FAULTS = (
     ("get_num_new_matched_tokens", "corrupt"),
+    ("get_num_new_matched_tokens", "raise"),
+    ("update_state_after_alloc", "raise"),
     ("build_connector_meta", "corrupt"),
+    ("build_connector_meta", "raise"),
     ("has_pending_work", "corrupt"),
+    ("has_pending_work", "raise"),
     ("request_finished", "raise"),
+    ("update_connector_output", "raise"),
 )
 LAST_FAULT_STEP = 8
 CLEAR = "clear_connector_metadata"
@@ -91,6 +97,10 @@ class Client:
     arrive_after: int  # engine steps
     abort: str | None  # None | "client" (stops reading mid-stream) | "engine" (engine.abort)
     abort_after: int  # outputs received first
+
+
+LAST = Client(prompt=(7, 8, 9), max_tokens=2, arrive_after=0, abort=None, abort_after=0)
+"""The request sent after the random ones: the engine still serves."""
 
 
 @attrs.frozen
@@ -262,6 +272,17 @@ def _worker_graph(scenario: Scenario) -> Callable[[StepGraph], StepGraph] | None
     return build
 
 
+def _holds_at_most(runner: Any, req_id: str) -> bool:
+    """Whether a worker's runner holds no request state but ``req_id``'s."""
+    if runner.num_requests != 1:
+        return bool(runner.num_requests == 0)
+    try:
+        runner.block_table(req_id)
+    except KeyError:
+        return False
+    return True
+
+
 async def _until_idle(engine: AsyncEngine) -> None:
     """Wait (bounded) until no step is running and none is needed."""
 
@@ -307,8 +328,49 @@ def _check_request(seen: Seen, reference: tuple[int, ...] | None) -> None:
         if final.failure is not None:
             assert isinstance(final.failure, StepFailure)
             assert final.failure.ranks or final.failure.failed_stages, final.failure
-        else:  # not a failed step: a block that failed to load under the "fail" policy
-            assert final.error is not None and "failed to load" in final.error, final
+        else:  # not a failed step: a block that failed to load under the "fail" policy,
+            # or a scheduler-side connector call about this request that raised
+            assert final.error is not None, final
+            assert "failed to load" in final.error or final.error.startswith("connector "), final
+
+
+def _failing_steps(scenario: Scenario) -> set[int]:
+    """Steps in which a fault fired that must fail the step: a raise, a cancel, or a hang
+    past the fan-in deadline, on a worker (connector call or stage) or the engine."""
+    steps: set[int] = set()
+    for f in FaultyConnector.fired:
+        fault = f.fault
+        if f.step is None or f.call not in WORKER_CALLS:
+            continue
+        if fault.action in ("raise", "cancel") or (fault.action == "hang" and fault.hang_s > 0.5):
+            steps.add(f.step)
+    stages = [stage for _, stage in scenario.stages]
+    if scenario.engine_stage is not None:
+        stages.append(scenario.engine_stage)
+    for stage in stages:
+        if stage.action != "hang" or stage.hang_s > 0.5:
+            steps.update(step for step, _ in stage.fired)
+    return steps
+
+
+def _check_failed_steps(scenario: Scenario, seen: list[Seen]) -> None:
+    """A step in which a failing fault fired failed its requests, with a StepFailure
+    naming that step (those of its requests whose client had not left yet)."""
+    scheduled = {
+        c.step_id: set(c.req_ids)
+        for c in RecordingConnector.scheduler_calls()
+        if c.method == "build_connector_meta"
+    }
+    by_id = {s.request_id: s for s in seen}
+    for step in _failing_steps(scenario):
+        watched = [
+            by_id[r]
+            for r in scheduled.get(step, ())
+            if r in by_id and not (by_id[r].client.abort == "client" and by_id[r].aborted)
+        ]
+        for s in watched:
+            final = s.outputs[-1]
+            assert final.failure is not None and final.failure.step_id == step, (step, final)
 
 
 def _expected_problems(world_size: int) -> set[str]:
@@ -347,6 +409,7 @@ async def _run(
         None if engine_stage is None else (lambda g: g.insert_after("schedule", engine_stage))
     )
     seen = [Seen(c) for c in scenario.clients]
+    last = Seen(LAST)
     async with AsyncEngine(
         config, worker_graph=_worker_graph(scenario), engine_graph=engine_graph
     ) as engine:
@@ -355,15 +418,17 @@ async def _run(
                 for s in seen:
                     tg.start_soon(_drive, engine, s.client, s)
             await _until_idle(engine)
-            # One more (empty) step hands the last finished ids to the workers; the loop
-            # is idle, so this is the only step running.
-            await engine.core.step()
+            # The engine keeps serving; the step of this last request also hands the
+            # workers the ids of every request that ended before it.
+            await _drive(engine, LAST, last)
             await _until_idle(engine)
         leak_check(engine.leak_report())
         assert not engine.core.scheduler.requests
         for worker in engine.core.workers:
             assert worker.connector is not None and worker.connector.connector_metadata is None
-            assert worker.runner.num_requests == 0, "a rank kept a finished request's state"
+            assert _holds_at_most(worker.runner, last.request_id), (
+                "a rank kept the state of a request that ended"
+            )
         core = engine.core
     assert core.leak_report()["bound_metadata"] == 0  # also after close
 
@@ -377,8 +442,9 @@ async def _run(
             assert methods.count(CLEAR) == 1 and methods[-1] == CLEAR, (key, methods)
 
     garbage = any(f.call == "get_num_new_matched_tokens" for f in FaultyConnector.fired)
-    for s in seen:
+    for s in [*seen, last]:
         _check_request(s, None if garbage else references[s.client])
+    _check_failed_steps(scenario, [*seen, last])
 
 
 class TestEngineUnderFaults:
@@ -395,11 +461,11 @@ class TestEngineUnderFaults:
         """Every step of every rank clears exactly once with nothing after it, nothing
         leaks, and every request ends exactly once with the fault-free tokens or a typed
         error, whatever faults, aborts and rank counts are thrown at the engine."""
-        references = _references(llama_path, scenario.clients)
+        references = _references(llama_path, (*scenario.clients, LAST))
         anyio.run(_run, llama_path, scenario, references, leak_check)
 
 
-# -- known gaps: failing examples of faults the engine does not handle yet ---------------
+# -- single faults that once stopped the engine -----------------------------------------
 
 
 def _engine_run(coro: Callable[[], Any]) -> Any:
@@ -421,14 +487,7 @@ def _params_for(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
-class TestKnownGaps:
-    @pytest.mark.xfail(
-        reason="stages/schedule/update.py: update_connector_output raising after "
-        "apply_output finished a request loses that request's final output (the step "
-        "fails, fail_requests skips the already-finished request): its stream never ends",
-        raises=TimeoutError,
-        strict=False,
-    )
+class TestSingleFaults:
     def test_update_connector_output_failure_still_ends_finished_requests(
         self, llama_path: Path
     ) -> None:
@@ -449,13 +508,6 @@ class TestKnownGaps:
         out = _engine_run(run)
         assert out.finished and out.finish_reason in ("length", "error")
 
-    @pytest.mark.xfail(
-        reason="EngineCore.step re-raises when the scheduler fails: a scheduler-side "
-        "connector call that raises kills the step loop (EngineDeadError to every "
-        "request) instead of failing the requests it was about",
-        raises=EngineDeadError,
-        strict=False,
-    )
     @pytest.mark.parametrize(
         "call",
         [
@@ -487,14 +539,6 @@ class TestKnownGaps:
         assert first.finish_reason in ("length", "error")
         assert second.finish_reason == "length"
 
-    @pytest.mark.xfail(
-        reason="pipeline/engine.py: a native task.cancel() inside the engine graph "
-        "propagates out of EngineCore.step and ends the step loop, and the engine's task "
-        "group then cancels the task that opened the engine, instead of failing that "
-        "step's requests with StepFailure(cancelled=True)",
-        raises=AssertionError,
-        strict=False,
-    )
     def test_native_cancel_in_the_engine_graph_fails_the_step(self, llama_path: Path) -> None:
         """A stage of the engine graph whose task is cancelled natively fails its step."""
 
