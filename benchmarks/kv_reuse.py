@@ -130,9 +130,99 @@ def offload_bandwidth(llm: LLM, prompt: list[int], repeats: int = 5) -> dict[str
     }
 
 
+def shared_storage_bandwidth(llm: LLM, prompt: list[int], repeats: int = 3) -> dict[str, float]:
+    """Load every stored block of ``prompt`` from rank 0's directory into the paged cache
+    through the connector's own reader (a :class:`StoreLoad` thread: per-layer lazy reads,
+    each checksum verified; files likely in the page cache), and a plain ``copy_`` of the
+    same bytes between contiguous tensors, layer by layer."""
+    from connectors.shared_storage import BlockRef, SharedStorageWorker
+    from connectors.shared_storage.loader import StoreLoad
+    from stages.schedule.hashing import hash_request_tokens
+
+    worker = llm.engine.core.workers[0].connector.inner  # type: ignore[union-attr]
+    assert isinstance(worker, SharedStorageWorker)
+    hashes = hash_request_tokens(prompt, BLOCK)[: (len(prompt) - 1) // BLOCK]
+    refs = [BlockRef("bench", block_id, h) for block_id, h in enumerate(hashes)]
+    kv = worker.kv_caches
+    nbytes = len(refs) * worker.block_bytes
+
+    def load() -> None:
+        job = StoreLoad(worker.store, worker.fp_key, refs, kv)
+        job.start()
+        job.done.wait()
+        assert not job.failed_blocks
+
+    sources = [layer[:, : len(refs)].clone() for layer in kv]
+    targets = [torch.empty_like(s) for s in sources]
+
+    def memcpy() -> None:
+        for dst, src in zip(targets, sources, strict=True):
+            dst.copy_(src)
+
+    t_load, t_copy = _timed_copy(load, repeats), _timed_copy(memcpy, repeats)
+    return {
+        "load_bytes": nbytes,
+        "load_verified_GBps": nbytes / t_load / 1e9,
+        "memcpy_GBps": nbytes / t_copy / 1e9,
+        "load_verified_vs_memcpy": t_copy / t_load,
+    }
+
+
 CONNECTORS = [
     ConnectorCase("offload", lambda tmp, blocks: {"num_blocks": blocks}, offload_bandwidth),
+    ConnectorCase(
+        "shared_storage", lambda tmp, blocks: {"path": str(tmp / "kv")}, shared_storage_bandwidth
+    ),
 ]
+
+
+def _redis_available() -> bool:
+    """A server to benchmark: ``$KVSTEP_REDIS_URL``, or ``redis-server`` on PATH (and the
+    ``redis`` package); without one the redis entry is skipped."""
+    import importlib.util
+    import os
+    import shutil
+
+    if importlib.util.find_spec("redis") is None:
+        return False
+    return bool(os.environ.get("KVSTEP_REDIS_URL")) or shutil.which("redis-server") is not None
+
+
+def _redis_options(tmp: Path, blocks: int) -> dict[str, Any]:
+    """``$KVSTEP_REDIS_URL``, or a throwaway local ``redis-server`` (killed at exit), with a
+    key prefix of its own so repeated runs start with a miss."""
+    import atexit
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import uuid
+
+    import redis
+
+    url = os.environ.get("KVSTEP_REDIS_URL")
+    if not url:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        server = shutil.which("redis-server") or "redis-server"
+        args = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        proc = subprocess.Popen(
+            [*args, "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL
+        )
+        atexit.register(proc.kill)
+        url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(500):
+            try:
+                if redis.Redis.from_url(url, socket_timeout=0.5).ping():
+                    break
+            except redis.ConnectionError:
+                time.sleep(0.02)
+    return {"url": url, "key_prefix": f"bench-{uuid.uuid4().hex[:8]}:", "timeout_s": 0.2}
+
+
+if _redis_available():
+    CONNECTORS.append(ConnectorCase("redis", _redis_options))
 
 
 def engine_config(path: Path, prompt_len: int, blocks: int, **overrides: Any) -> EngineConfig:

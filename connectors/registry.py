@@ -44,7 +44,7 @@ _BUILTIN_MODULES: Mapping[str, str] = {
     "faulty": "connectors.faults",
     "shared_storage": "connectors.shared_storage",
     "offload": "connectors.offload",
-    "redis": "connectors.redis",
+    "redis": "connectors.redis_store",
     "multi": "connectors.multi",
     "p2p": "connectors.p2p",
 }

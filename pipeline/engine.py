@@ -17,7 +17,7 @@ import attrs
 from connectors.base import ConnectorContext, KVConnectorRole, KVConnectorScheduler
 from connectors.lifecycle import make_worker
 from connectors.registry import create_connector, get_connector
-from pipeline.artifacts import EngineStepOutput, SchedulerOutput
+from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.context import StepContext
 from pipeline.errors import InvalidConfigError, InvalidRequestError, StepCancelledError
@@ -284,6 +284,7 @@ class EngineCore:
     def _log_step(self, ctx: StepContext) -> None:
         assert ctx.report is not None
         so = ctx.maybe(SchedulerOutput)
+        merged = ctx.maybe(FanInOutput)
         out = ctx.maybe(EngineStepOutput)
         finished = [o.request_id for o in out.outputs if o.finished] if out is not None else []
         stats = out.stats if out is not None else None
@@ -298,6 +299,8 @@ class EngineCore:
             saved_tokens=stats.saved_tokens if stats else 0,
             saved_bytes=stats.saved_bytes if stats else 0,
             finished=finished,
+            load_error_blocks=len(merged.invalid_block_ids) if merged is not None else 0,
+            failed_save_requests=sorted(merged.failed_save_req_ids) if merged is not None else [],
         )
 
     # ------------------------------------------------------------ introspection

@@ -19,6 +19,7 @@ __all__ = [
     "EngineOverloaded",
     "FaultInjected",
     "FinalizerError",
+    "FrameError",
     "GraphError",
     "InvalidConfigError",
     "InvalidRequestError",
@@ -88,6 +89,25 @@ class ModelLoadError(KvstepError, ValueError):
         self.path = path
         self.reason = reason
         super().__init__(f"cannot load model from {str(path)!r}: {reason}")
+
+
+class FrameError(KvstepError, ValueError):
+    """A stored KV value (``connectors.framing``) does not match what the reader expects.
+
+    Raised on truncation, a wrong magic/version, another key, layer count, dtype or
+    shape, or a checksum mismatch; a connector turns it into a load error, never data.
+
+    Attributes:
+        what: What mismatched (``"magic"``, ``"key"``, ``"checksum"``, ...).
+        expected: What the reader expected.
+        got: What the value holds.
+    """
+
+    def __init__(self, what: str, expected: object, got: object) -> None:
+        self.what = what
+        self.expected = expected
+        self.got = got
+        super().__init__(f"bad KV frame: {what} is {got!r}, expected {expected!r}")
 
 
 class GraphError(KvstepError, ValueError):

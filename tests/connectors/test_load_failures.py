@@ -4,6 +4,7 @@ with another key's bytes, so the worker's check on load rejects it."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -65,15 +66,20 @@ class TestLoadFailures:
     @pytest.mark.parametrize("world_size", [1, 2])
     @pytest.mark.parametrize("position", list(POSITIONS))
     def test_recompute_keeps_outputs_identical(
-        self, llama_path: Path, reference, position: str, world_size: int
+        self, llama_path: Path, reference, position: str, world_size: int, tmp_path: Path
     ) -> None:
         """Under recompute, a failed first/middle/last block changes no output."""
         prompts = workload()
-        with LLM(config(llama_path, world_size=world_size)) as llm:
+        log = tmp_path / "steps.jsonl"
+        with LLM(config(llama_path, world_size=world_size, step_log=str(log))) as llm:
             assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == reference
             corrupt_block(llm, prompts[VICTIM], POSITIONS[position])
             second = llm.generate(prompts, PARAMS)
             errors = [w.connector.inner.stats.load_errors for w in llm.engine.core.workers]
+        steps = [json.loads(line) for line in log.read_text().splitlines()]
+        engine_steps = [r for r in steps if r["event"] == "step" and r["kind"] == "engine"]
+        assert sum(r["load_error_blocks"] for r in engine_steps) >= 1  # the log shows it
+        assert sum(r["loaded_tokens"] for r in engine_steps) > 0
         assert [o.token_ids for o in second] == reference
         assert all(o.finish_reason == "length" for o in second)
         assert all(e >= 1 for e in errors), errors
