@@ -1,12 +1,14 @@
-"""The ``kvstep`` command line. Every ``EngineConfig`` field is also a flag."""
+"""The ``kvstep`` command line: ``run``, ``logs`` and ``serve``.
+
+Every ``EngineConfig`` field is also a flag of ``run`` and ``serve``
+(``--max-num-seqs 8``, ``--no-enable-prefix-caching``, ``--connector-options '{...}'``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,10 +16,10 @@ from typing import Any
 import anyio
 import attrs
 
-from pipeline.config import EngineConfig, SamplingParams
+from pipeline.config import EngineConfig
 from pipeline.errors import KvstepError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,101 +38,127 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=None)
 
 
-def _config_from(args: argparse.Namespace, **defaults: Any) -> EngineConfig:
-    fields = dict(defaults)
-    for field in attrs.fields(EngineConfig):
-        value = getattr(args, field.name, None)
-        if value is not None:
-            fields[field.name] = value
-    return EngineConfig(**fields)
-
-
-def _workload(num_prompts: int, prefix_len: int, suffix_len: int, vocab: int) -> list[list[int]]:
-    prefix = [(7 * i + 3) % vocab for i in range(prefix_len)]
-    return [
-        prefix + [(13 * i + 17 * p + 5) % vocab for i in range(suffix_len)]
-        for p in range(num_prompts)
-    ]
-
-
-async def _run_pass(
-    engine: Any, prompts: list[list[int]], params: SamplingParams
-) -> dict[str, Any]:
-    ttfts: list[float] = []
-    tokens = 0
-    cached = 0
-    start = time.perf_counter()
-
-    async def one(prompt: list[int]) -> None:
-        nonlocal tokens, cached
-        t0 = time.perf_counter()
-        first = True
-        async for out in engine.generate(prompt, params):
-            if first and out.new_token_ids:
-                ttfts.append(time.perf_counter() - t0)
-                first = False
-            if out.finished:
-                tokens += len(out.token_ids)
-                cached += out.num_cached_tokens
-
-    async with anyio.create_task_group() as tg:
-        for prompt in prompts:
-            tg.start_soon(one, prompt)
-    wall = time.perf_counter() - start
+def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "requests": len(prompts),
-        "tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-        "ttft_ms_median": 1000 * statistics.median(ttfts) if ttfts else 0.0,
-        "cached_prompt_tokens": cached,
+        f.name: getattr(args, f.name)
+        for f in attrs.fields(EngineConfig)
+        if getattr(args, f.name, None) is not None
     }
 
 
-async def _run(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from pipeline.async_engine import AsyncEngine
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstep`` argument parser (sub-commands ``run``, ``logs``, ``serve``)."""
+    parser = argparse.ArgumentParser(prog="kvstep", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
 
-    async with AsyncEngine(config) as engine:
-        vocab = engine.core.model_config.vocab_size
-        prompts = _workload(args.num_prompts, args.prefix_len, args.suffix_len, vocab)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        results = []
-        for name in ("first", "second"):
-            before = engine.num_steps
-            result = await _run_pass(engine, prompts, params)
-            result["pass"] = name
-            result["steps"] = engine.num_steps - before
-            results.append(result)
-        leaks = engine.leak_report()
-    for result in results:
-        result["leaks"] = sum(v for k, v in leaks.items() if k != "cached_blocks")
-    return results
+    run = sub.add_parser("run", help="run a shared-prefix workload twice, across a restart")
+    _add_config_flags(run)
+    run.add_argument("--num-prompts", type=int, default=16)
+    run.add_argument("--prefix-len", type=int, default=192)
+    run.add_argument("--suffix-len", type=int, default=32)
+    run.add_argument("--max-tokens", type=int, default=16)
+    run.add_argument("--keep-store", action="store_true", help="do not clear the store first")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--json", type=Path, default=None, help="write the results here")
+
+    logs = sub.add_parser("logs", help="summarize a step log; export a trace or a plot")
+    logs.add_argument("file", type=Path)
+    logs.add_argument("--trace", type=Path, default=None, help="Chrome trace-event JSON")
+    logs.add_argument("--plot", type=Path, default=None, help="PNG stage timeline")
+    logs.add_argument("--steps", default=None, help="step range A:B of the plot")
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (kvstep[server])")
+    _add_config_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    return parser
 
 
-def _print_table(results: list[dict[str, Any]]) -> None:
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pipeline.run_job import RunOptions, default_run_config, run_job
+
+    options = RunOptions(
+        num_prompts=args.num_prompts,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        max_tokens=args.max_tokens,
+        keep_store=args.keep_store,
+    )
+    config = default_run_config(**_config_fields(args))
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    console = Console()
+    with Progress(console=console, disable=args.no_progress, transient=True) as progress:
+        task = progress.add_task("requests (2 passes)", total=2 * options.num_prompts)
+        results = anyio.run(run_job, config, options, lambda: progress.advance(task))
+    table = Table(
+        title="kvstep run: shared prefixes; 2nd pass on a restarted engine",
+        caption="TTFT: median time to first token; loaded: tokens loaded from the store",
+    )
     columns = [
-        ("pass", "pass"),
-        ("requests", "requests"),
+        ("name", "pass"),
+        ("requests", "reqs"),
         ("tokens", "tokens"),
-        ("tokens_per_s", "tokens/s"),
-        ("ttft_ms_median", "TTFT ms (median)"),
-        ("cached_prompt_tokens", "prompt tokens reused"),
+        ("tokens_per_s", "tok/s"),
+        ("ttft_ms_median", "TTFT ms"),
+        ("loaded_tokens", "loaded"),
         ("steps", "steps"),
+        ("finalizer_runs", "finalizers"),
     ]
-    try:
-        from rich.console import Console
-        from rich.table import Table
+    for _, title in columns:
+        table.add_column(title, justify="right")
+    for r in results:
+        row = attrs.asdict(r)
+        table.add_row(*(_fmt(row[key]) for key, _ in columns))
+    console.print(table)
+    if config.step_log is not None:
+        console.print(f"step log: {Path(str(config.step_log)).resolve()}", soft_wrap=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps([attrs.asdict(r) for r in results], indent=2))
+    return 0
 
-        table = Table(title="kvstep run")
-        for _, title in columns:
-            table.add_column(title, justify="right")
-        for r in results:
-            table.add_row(*(_fmt(r[key]) for key, _ in columns))
-        Console().print(table)
-    except ImportError:
-        print(" | ".join(title for _, title in columns))
-        for r in results:
-            print(" | ".join(_fmt(r[key]) for key, _ in columns))
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from pipeline.logview import load_step_log, parse_steps, print_summary, write_plot, write_trace
+
+    records = load_step_log(args.file)
+    print_summary(records)
+    if args.trace is not None:
+        n = write_trace(records, args.trace)
+        print(f"trace: {args.trace} ({n} events)")
+    if args.plot is not None:
+        write_plot(records, args.plot, steps=parse_steps(args.steps))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+_SERVER_PACKAGES = frozenset({"uvicorn", "starlette", "fastapi", "prometheus_client", "httpx"})
+
+
+def _missing_server_extra(exc: ImportError) -> int:
+    print(
+        f"kvstep: error: the server needs extra packages ({exc}); "
+        "install them with: pip install 'kvstep[server]'",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    config = EngineConfig(**_config_fields(args))
+    try:
+        from pipeline.server import serve
+    except ImportError as exc:
+        return _missing_server_extra(exc)
+    try:
+        serve(config, args.host, args.port)
+    except ModuleNotFoundError as exc:  # a lazy import inside serve()
+        if (exc.name or "").split(".")[0] not in _SERVER_PACKAGES:
+            raise
+        return _missing_server_extra(exc)
+    return 0
 
 
 def _fmt(value: Any) -> str:
@@ -138,28 +166,18 @@ def _fmt(value: Any) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvstep`` console script."""
-    parser = argparse.ArgumentParser(prog="kvstep", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a workload twice on the embedded default")
-    _add_config_flags(run)
-    run.add_argument("--num-prompts", type=int, default=16)
-    run.add_argument("--prefix-len", type=int, default=192)
-    run.add_argument("--suffix-len", type=int, default=32)
-    run.add_argument("--max-tokens", type=int, default=32)
-    run.add_argument("--json", type=Path, default=None, help="write the results here")
-    args = parser.parse_args(argv)
+    """Entry point of the ``kvstep`` console script; returns the exit status.
+
+    Errors of kvstep (bad config, unreadable step log) print ``kvstep: error: ...`` on
+    stderr and return 2.
+    """
+    args = build_parser().parse_args(argv)
+    commands = {"run": _cmd_run, "logs": _cmd_logs, "serve": _cmd_serve}
     try:
-        config = _config_from(args, step_log=args.step_log or "kvstep-steps.jsonl")
-        results = anyio.run(_run, config, args)
+        return commands[args.command](args)
     except KvstepError as exc:
         print(f"kvstep: error: {exc}", file=sys.stderr)
         return 2
-    _print_table(results)
-    print(f"step log: {Path(str(config.step_log)).resolve()}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

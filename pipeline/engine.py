@@ -293,6 +293,7 @@ class EngineCore:
             kind="engine",
             scheduler_step_id=so.step_id if so is not None else None,
             batch_size=len(so.requests) if so is not None else 0,
+            requests=[r.req_id for r in so.requests] if so is not None else [],
             num_tokens=so.total_num_scheduled_tokens if so is not None else 0,
             loaded_tokens=stats.loaded_tokens if stats else 0,
             loaded_bytes=stats.loaded_bytes if stats else 0,

@@ -32,7 +32,14 @@ from connectors.base import (
 from connectors.offload.index import BlockKey, SlotIndex
 from connectors.offload.metadata import BlockCopy, OffloadMetadata
 from connectors.offload.options import OffloadOptions
-from pipeline.errors import InvalidConfigError
+from connectors.store.metadata import require_fingerprint
+from connectors.store.tracking import (
+    RequestTracker,
+    cdiv,
+    match_candidates,
+    new_full_blocks,
+    track_scheduled,
+)
 from pipeline.logs import get_logger
 
 if TYPE_CHECKING:
@@ -42,14 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["OffloadScheduler"]
 
 log = get_logger()
-
-
-@attrs.define
-class _Tracker:
-    """A request's block table as the workers have it, and the live request (hashes)."""
-
-    request: Request
-    block_ids: list[int]
 
 
 @attrs.frozen
@@ -78,10 +77,6 @@ class _AsyncLoad:
     load_keys: dict[int, BlockKey]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class OffloadScheduler(KVConnectorScheduler):
     """Decides what the host-memory tier loads and stores (see the module docstring).
 
@@ -98,14 +93,10 @@ class OffloadScheduler(KVConnectorScheduler):
     def __init__(self, context: ConnectorContext, index: SlotIndex | None = None) -> None:
         super().__init__(context)
         self.options = OffloadOptions.from_options(context.options)
-        if context.fingerprint is None:
-            raise InvalidConfigError(
-                "ConnectorContext.fingerprint", None, "offload keys every block by the model"
-            )
-        self.fingerprint_key = context.fingerprint.key()
+        self.fingerprint_key = require_fingerprint(context, "offload").key()
         self.block_size = context.block_size
         self.index = index if index is not None else SlotIndex(self.options.num_blocks)
-        self._trackers: dict[str, _Tracker] = {}
+        self._trackers: dict[str, RequestTracker] = {}
         self._matches: dict[str, _Match] = {}
         self._loads: list[BlockCopy] = []  # registered since the last build
         self._built: _BuiltStep | None = None
@@ -122,12 +113,9 @@ class OffloadScheduler(KVConnectorScheduler):
         """
         req_id, bs = request.request_id, self.block_size
         self._matches.pop(req_id, None)
-        if num_computed_tokens % bs:
-            return MatchResult(0, False)
-        start = num_computed_tokens // bs
-        stop = min((request.num_tokens - 1) // bs, len(request.block_hashes))
+        start, hashes = match_candidates(request, num_computed_tokens, bs)
         slots: list[int] = []
-        for block_hash in request.block_hashes[start:stop]:
+        for block_hash in hashes:
             key = (self.fingerprint_key, block_hash)
             slot = self.index.lookup(key)
             if slot is None:
@@ -147,11 +135,11 @@ class OffloadScheduler(KVConnectorScheduler):
         Called for every admission, including resumption after preemption.
         """
         req_id = request.request_id
-        self._trackers[req_id] = _Tracker(request, list(block_ids))
+        self._trackers[req_id] = RequestTracker(request, list(block_ids))
         match = self._matches.pop(req_id, None)
         if match is None or num_external_tokens <= 0:
             return
-        count = min(_cdiv(num_external_tokens, self.block_size), len(match.slots))
+        count = min(cdiv(num_external_tokens, self.block_size), len(match.slots))
         loads: list[BlockCopy] = []
         for offset, slot in enumerate(match.slots[:count]):
             index = match.start + offset
@@ -186,27 +174,23 @@ class OffloadScheduler(KVConnectorScheduler):
         async_ids = {c.req_id for c in built.async_loads}
         saves: list[BlockCopy] = []
         for item in scheduler_output.requests:
-            tracker = self._trackers.get(item.req_id)
+            tracker = track_scheduled(self._trackers, item, "offload")
             if tracker is None:
-                log.debug("offload: scheduled request without a tracker", req_id=item.req_id)
                 continue
-            if item.new:
-                tracker.block_ids = list(item.block_ids)
-            else:
-                tracker.block_ids.extend(item.block_ids)
             self._plan_saves(tracker, item, built, saves)
         self._built = built
         return OffloadMetadata.build(scheduler_output.step_id, loads, saves, async_ids)
 
     def _plan_saves(
-        self, tracker: _Tracker, item: ScheduledRequest, built: _BuiltStep, saves: list[BlockCopy]
+        self,
+        tracker: RequestTracker,
+        item: ScheduledRequest,
+        built: _BuiltStep,
+        saves: list[BlockCopy],
     ) -> None:
         """Reserve slots for the blocks of ``item`` that become full in this step."""
-        bs, req_id = self.block_size, item.req_id
-        end = item.num_computed_tokens + len(item.token_ids)
-        hashes = tracker.request.block_hashes
-        stop = min(end // bs, len(tracker.block_ids), len(hashes))
-        for index in range(item.num_computed_tokens // bs, stop):
+        req_id, hashes = item.req_id, tracker.request.block_hashes
+        for index in new_full_blocks(tracker, item, self.block_size):
             key = (self.fingerprint_key, hashes[index])
             if key in self.index:
                 self.index.touch(key)

@@ -6,19 +6,15 @@ import attrs
 
 from connectors.offload.metadata import BlockCopy
 from connectors.offload.pool import CopyRun
+from connectors.store.worker import StoreWorkerStats
 from stages.forward.device import DeviceEvent
 
 __all__ = ["OffloadWorkerStats", "StepState"]
 
 
 @attrs.frozen(kw_only=True)
-class OffloadWorkerStats:
+class OffloadWorkerStats(StoreWorkerStats):
     """Blocks moved by one rank since it started (``OffloadWorker.stats``)."""
-
-    loaded_blocks: int = 0
-    load_errors: int = 0
-    saved_blocks: int = 0
-    failed_saves: int = 0
 
 
 @attrs.define

@@ -33,6 +33,7 @@ from connectors.offload.options import OffloadOptions
 from connectors.offload.pool import HostKVPool, make_runs
 from connectors.offload.state import OffloadWorkerStats, StepState
 from connectors.offload.transfer import LoadJob, StreamLoader, ThreadLoader
+from connectors.store.metadata import require_fingerprint
 from pipeline.errors import InvalidConfigError, StageError
 from pipeline.logs import get_logger
 from stages.forward.device import DeviceSync, make_device_sync
@@ -52,11 +53,7 @@ class OffloadWorker(KVConnectorWorker):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.options = OffloadOptions.from_options(context.options)
-        if context.fingerprint is None:
-            raise InvalidConfigError(
-                "ConnectorContext.fingerprint", None, "offload keys every block by the model"
-            )
-        self.key_prefix = context.fingerprint.key().encode()
+        self.key_prefix = require_fingerprint(context, "offload").key().encode()
         self.block_size = context.block_size
         self.pool: HostKVPool | None = None
         self._loader: ThreadLoader | StreamLoader | None = None

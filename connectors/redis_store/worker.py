@@ -18,10 +18,9 @@ The step-level calls run on the event loop, the layer hooks on the forward threa
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
 
 import anyio
 import anyio.to_thread
@@ -29,67 +28,48 @@ import attrs
 import redis
 import torch
 
-from connectors.base import ConnectorContext, ForwardContext, KVConnectorWorker, WorkerFinished
+from connectors.base import ConnectorContext, ForwardContext, WorkerFinished
 from connectors.framing import encode_block
 from connectors.redis_store.loader import RedisLoadJob
 from connectors.redis_store.metadata import BlockTransfer, RedisMetadata
 from connectors.redis_store.options import RedisOptions
 from connectors.redis_store.store import RateLimitedLog, RedisStore, store_key
-from pipeline.errors import InvalidConfigError, StageError
-from pipeline.logs import get_logger
+from connectors.store.worker import StoreStep, StoreWorker, StoreWorkerStats
+from pipeline.errors import StageError
 
 __all__ = ["RedisWorker", "RedisWorkerStats"]
 
-log = get_logger()
-
 
 @attrs.frozen(kw_only=True)
-class RedisWorkerStats:
+class RedisWorkerStats(StoreWorkerStats):
     """Blocks moved by one rank since it started (``RedisWorker.stats``)."""
-
-    loaded_blocks: int = 0
-    load_errors: int = 0
-    saved_blocks: int = 0
-    failed_saves: int = 0
 
 
 @attrs.define
-class _Step:
-    saves: list[BlockTransfer] = attrs.Factory(list)
-    save_index: torch.Tensor | None = None
-    gathered: dict[int, torch.Tensor] = attrs.Factory(dict)  # layer -> [2, n, bs, h, d]
-    load_errors: set[int] = attrs.Factory(set)
-    loaded_blocks: int = 0
-    saved_blocks: int = 0
+class _Step(StoreStep):
     collected: bool = False
 
 
-class RedisWorker(KVConnectorWorker):
+class RedisWorker(StoreWorker):
     """One rank's reads and writes of the store; see the module docstring.
 
     Raises:
         InvalidConfigError: Bad options, or no fingerprint in ``context``.
     """
 
+    name: ClassVar[str] = "redis"
+    stats_type: ClassVar[type[StoreWorkerStats]] = RedisWorkerStats
+    _step: _Step
+
     def __init__(self, context: ConnectorContext) -> None:
+        options = RedisOptions.from_options(context.options)  # before the fingerprint
         super().__init__(context)
-        self.options = RedisOptions.from_options(context.options)
-        if context.fingerprint is None:
-            raise InvalidConfigError(
-                "ConnectorContext.fingerprint", None, "redis keys every block by the model"
-            )
-        self.fingerprint_key = context.fingerprint.key()
-        self.block_size = context.block_size
+        self.options = options
         self.store = RedisStore(self.options, self.options.load_timeout_s)
-        self._kv_caches: list[torch.Tensor] = []
-        self._block_bytes = 0
         self._loader = ThreadPoolExecutor(1, thread_name_prefix=f"kvstep-redis-{context.rank}")
         self._job: RedisLoadJob | None = None
         self._step = _Step()
         self._warn = RateLimitedLog()
-        self._lock = threading.Lock()
-        self._totals: dict[str, int] = dict.fromkeys(attrs.fields_dict(RedisWorkerStats), 0)
-        self._closed = False
 
     def key(self, block_hash: bytes) -> bytes:
         """The store key of one of this rank's blocks."""
@@ -98,24 +78,6 @@ class RedisWorker(KVConnectorWorker):
     def frame_key(self, block_hash: bytes) -> bytes:
         """The key a stored value names: this rank's fingerprint + the block hash."""
         return self.fingerprint_key.encode() + b":" + block_hash
-
-    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Remember the paged cache (one tensor per layer). Never blocks."""
-        self._kv_caches = list(kv_caches)
-        if kv_caches:
-            per_layer = kv_caches[0][:, 0].numel() * kv_caches[0].element_size()
-            self._block_bytes = per_layer * len(kv_caches)
-
-    @property
-    def stats(self) -> RedisWorkerStats:
-        """Totals since start (thread-safe snapshot)."""
-        with self._lock:
-            return RedisWorkerStats(**self._totals)
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._totals[name] += delta
 
     # -------------------------------------------------------------------- loads
 
@@ -126,16 +88,14 @@ class RedisWorker(KVConnectorWorker):
             StageError: Metadata that is not :class:`RedisMetadata`, or no paged cache.
         """
         meta = self._metadata
-        if not isinstance(meta, RedisMetadata) or not self._kv_caches:
+        if not isinstance(meta, RedisMetadata) or not self.kv_caches:
             reason = f"redis needs its paged cache and RedisMetadata, got {type(meta).__name__}"
             raise StageError("load", ctx.step_id, reason)
         if self._job is not None:  # a step whose clear never ran: stop its copies
             self._job.cancel(fail=False)
             self._job = None
-        self._step = step = _Step(saves=meta.saves())
-        if step.saves:
-            ids = [t.block_id for t in step.saves]
-            step.save_index = torch.tensor(ids, dtype=torch.long, device=self._kv_caches[0].device)
+        saves = meta.saves()
+        self._step = _Step(saves=saves, save_index=self._save_index(saves))
         loads = meta.loads()
         if not loads:
             return
@@ -143,7 +103,7 @@ class RedisWorker(KVConnectorWorker):
             loads,
             [self.key(t.block_hash) for t in loads],
             [self.frame_key(t.block_hash) for t in loads],
-            self._kv_caches,
+            self.kv_caches,
             deadline=time.monotonic() + self.options.load_timeout_s,
         )
         self._job = job
@@ -178,17 +138,13 @@ class RedisWorker(KVConnectorWorker):
         """Gather this step's saved blocks of ``layer`` (a CPU copy; on CUDA it waits for
         the layer's compute). Forward thread; the network write happens in
         ``wait_for_save``, off the forward path."""
-        index = self._step.save_index
-        if index is not None:
-            self._step.gathered[layer] = kv_layer.index_select(1, index).to("cpu")
+        self._gather(layer, kv_layer)
 
-    def _write(self, step: _Step, saves: list[BlockTransfer]) -> None:
-        layers = [step.gathered[i] for i in range(len(self._kv_caches))]
-        position = {t.block_id: n for n, t in enumerate(step.saves)}
+    def _write(self, blocks: list[list[torch.Tensor]], saves: list[BlockTransfer]) -> None:
+        position = {t.block_id: n for n, t in enumerate(self._step.saves)}
         items = []
         for save in saves:
-            n = position[save.block_id]
-            value = encode_block(self.frame_key(save.block_hash), [kv[:, n] for kv in layers])
+            value = encode_block(self.frame_key(save.block_hash), blocks[position[save.block_id]])
             items.append((self.key(save.block_hash), value))
         self.store.set_many(items)
 
@@ -202,12 +158,13 @@ class RedisWorker(KVConnectorWorker):
         bad_load = {t.req_id for t in job.loads if t.block_id in step.load_errors} if job else set()
         saves = [t for t in step.saves if t.req_id not in bad_load]
         failed = {t.req_id for t in step.saves if t.req_id in bad_load}
+        blocks = self._gathered_blocks()
         if saves:
-            if len(step.gathered) != len(self._kv_caches):
+            if blocks is None:
                 failed |= {t.req_id for t in saves}
             else:
                 try:
-                    await anyio.to_thread.run_sync(self._write, step, saves)
+                    await anyio.to_thread.run_sync(self._write, blocks, saves)
                     step.saved_blocks = len(saves)
                 except (redis.RedisError, ValueError) as exc:
                     self._warn.warning("redis: save failed", blocks=len(saves), error=repr(exc))
@@ -226,12 +183,6 @@ class RedisWorker(KVConnectorWorker):
         """Blocks whose load failed this step (missing, corrupt, server down, timeout)."""
         self._collect_loads()
         return frozenset(self._step.load_errors)
-
-    def get_kv_stats(self) -> tuple[int, int, int, int]:
-        """(loaded_tokens, loaded_bytes, saved_tokens, saved_bytes) of this step."""
-        step, bs, nbytes = self._step, self.block_size, self._block_bytes
-        loaded, saved = step.loaded_blocks, step.saved_blocks
-        return (loaded * bs, loaded * nbytes, saved * bs, saved * nbytes)
 
     def clear_connector_metadata(self) -> None:
         """Drop the metadata and cancel the step's loads if still running (no copy of

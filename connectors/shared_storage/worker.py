@@ -20,22 +20,22 @@ is written before the forward starts or under a lock.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
-from collections.abc import Sequence
+from typing import ClassVar
 
 import anyio
 import anyio.to_thread
 import attrs
 import torch
 
-from connectors.base import ConnectorContext, ForwardContext, KVConnectorWorker
+from connectors.base import ConnectorContext, ForwardContext
 from connectors.framing import encode_block
 from connectors.shared_storage.loader import StoreLoad
 from connectors.shared_storage.metadata import BlockRef, SharedStorageMetadata
 from connectors.shared_storage.options import SharedStorageOptions
 from connectors.shared_storage.store import DiskStore
-from pipeline.errors import InvalidConfigError, StageError
+from connectors.store.worker import StoreStep, StoreWorker, StoreWorkerStats
+from pipeline.errors import StageError
 from pipeline.logs import get_logger
 
 __all__ = ["SharedStorageWorker", "SharedStorageWorkerStats"]
@@ -44,31 +44,21 @@ log = get_logger()
 
 
 @attrs.frozen(kw_only=True)
-class SharedStorageWorkerStats:
+class SharedStorageWorkerStats(StoreWorkerStats):
     """Blocks moved by one rank since it started (``SharedStorageWorker.stats``)."""
-
-    loaded_blocks: int = 0
-    load_errors: int = 0
-    saved_blocks: int = 0
-    failed_saves: int = 0
 
 
 @attrs.define
-class _Step:
+class _Step(StoreStep):
     """One step's state (written on the loop before the forward, or under the lock)."""
 
     load_req: dict[int, str] = attrs.Factory(dict)
-    saves: list[BlockRef] = attrs.Factory(list)
-    gathered: list[list[torch.Tensor]] = attrs.Factory(list)  # per save, per layer
     writes: list[tuple[BlockRef, concurrent.futures.Future[None]]] = attrs.Factory(list)
     save_failed: set[str] = attrs.Factory(set)
-    load_errors: set[int] = attrs.Factory(set)
     deadline: float = 0.0
-    loaded_blocks: int = 0
-    saved_blocks: int = 0
 
 
-class SharedStorageWorker(KVConnectorWorker):
+class SharedStorageWorker(StoreWorker):
     """One rank's view of the store; see the module docstring for the per-step calls.
 
     Creating it removes stale temp files of crashed writers under ``path``.
@@ -77,47 +67,22 @@ class SharedStorageWorker(KVConnectorWorker):
         InvalidConfigError: Bad options, an unusable path, or no fingerprint.
     """
 
+    name: ClassVar[str] = "shared_storage"
+    stats_type: ClassVar[type[StoreWorkerStats]] = SharedStorageWorkerStats
+    _step: _Step
+
     def __init__(self, context: ConnectorContext) -> None:
+        options = SharedStorageOptions.from_options(context.options)  # before the fingerprint
         super().__init__(context)
-        self.options = SharedStorageOptions.from_options(context.options)
-        if context.fingerprint is None:
-            raise InvalidConfigError(
-                "ConnectorContext.fingerprint", None, "shared_storage keys blocks by the model"
-            )
-        self.fp_key = context.fingerprint.key()
+        self.options = options
         self.store = DiskStore(self.options.path)
         self.store.clean_stale_temps(self.options.stale_temp_s)
-        self.block_size = context.block_size
-        self.kv_caches: list[torch.Tensor] = []
-        self.block_bytes = 0
         self._load: StoreLoad | None = None
         self._abandoned: list[StoreLoad] = []
         self._writer = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix=f"kvstep-shared-write-{context.rank}"
         )
         self._step = _Step()
-        self._lock = threading.Lock()
-        self._totals: dict[str, int] = dict.fromkeys(attrs.fields_dict(SharedStorageWorkerStats), 0)
-        self._closed = False
-
-    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Remember the paged cache (one ``[2, num_blocks, block_size, heads, dim]``
-        tensor per layer). Never blocks."""
-        self.kv_caches = list(kv_caches)
-        if self.kv_caches:
-            one = self.kv_caches[0][:, 0]
-            self.block_bytes = one.numel() * one.element_size() * len(self.kv_caches)
-
-    @property
-    def stats(self) -> SharedStorageWorkerStats:
-        """Totals since start (thread-safe snapshot)."""
-        with self._lock:
-            return SharedStorageWorkerStats(**self._totals)
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._totals[name] += delta
 
     # -------------------------------------------------------------------- loads
 
@@ -135,12 +100,13 @@ class SharedStorageWorker(KVConnectorWorker):
             self._load.abandon()
             self._load = None
         self._abandoned = [load for load in self._abandoned if not load.done.is_set()]
-        self._step = step = _Step(saves=meta.saves())
+        saves = meta.saves()
+        self._step = step = _Step(saves=saves, save_index=self._save_index(saves))
         step.deadline = time.monotonic() + self.options.load_timeout_s
         refs = meta.loads()
         if refs and self.kv_caches:
             step.load_req = {ref.block_id: ref.req_id for ref in refs}
-            self._load = StoreLoad(self.store, self.fp_key, refs, self.kv_caches)
+            self._load = StoreLoad(self.store, self.fingerprint_key, refs, self.kv_caches)
             self._load.start()
 
     def wait_for_layer_load(self, layer: int) -> None:
@@ -181,15 +147,10 @@ class SharedStorageWorker(KVConnectorWorker):
         the last layer, queue their writes. A copy that raises fails its requests' saves,
         never the step. Forward thread."""
         step = self._step
-        if not step.saves:
+        if step.save_index is None:
             return
         try:
-            ids = torch.tensor([ref.block_id for ref in step.saves], device=kv_layer.device)
-            blocks = kv_layer.index_select(1, ids).transpose(0, 1).to("cpu").contiguous()
-            if layer == 0:
-                step.gathered = [[] for _ in step.saves]
-            for i, per_block in enumerate(step.gathered):
-                per_block.append(blocks[i])
+            self._gather(layer, kv_layer)
         except Exception as exc:
             log.error("shared_storage: save copy failed", layer=layer, error=repr(exc))
             with self._lock:
@@ -201,19 +162,20 @@ class SharedStorageWorker(KVConnectorWorker):
     def _submit_writes(self, step: _Step) -> None:
         with self._lock:
             failed = set(step.save_failed)
-        for ref, layers in zip(step.saves, step.gathered, strict=False):
-            if ref.req_id in failed or len(layers) != len(self.kv_caches):
+        blocks = self._gathered_blocks()
+        for ref, layers in zip(step.saves, blocks or [], strict=False):
+            if ref.req_id in failed:
                 continue
             future = self._writer.submit(self._write, ref, layers)
             step.writes.append((ref, future))
-        step.gathered = []
+        step.gathered.clear()
 
     def _write(self, ref: BlockRef, layers: list[torch.Tensor]) -> None:
         """Frame and write one block (writer thread); skips values already stored."""
-        if self.store.contains(self.fp_key, ref.block_hash):
+        if self.store.contains(self.fingerprint_key, ref.block_hash):
             return
-        data = encode_block(self.fp_key.encode() + ref.block_hash, layers)
-        self.store.write(self.fp_key, ref.block_hash, data)
+        data = encode_block(self.fingerprint_key.encode() + ref.block_hash, layers)
+        self.store.write(self.fingerprint_key, ref.block_hash, data)
 
     async def wait_for_save(self) -> frozenset[str]:
         """Wait for this step's writes; return the requests whose write failed or whose
@@ -254,16 +216,6 @@ class SharedStorageWorker(KVConnectorWorker):
         step = self._step
         self._count(loaded_blocks=step.loaded_blocks, load_errors=len(step.load_errors))
         return frozenset(step.load_errors)
-
-    def get_kv_stats(self) -> tuple[int, int, int, int]:
-        """(loaded_tokens, loaded_bytes, saved_tokens, saved_bytes) of this step."""
-        step, bs, bb = self._step, self.block_size, self.block_bytes
-        return (
-            step.loaded_blocks * bs,
-            step.loaded_blocks * bb,
-            step.saved_blocks * bs,
-            step.saved_blocks * bb,
-        )
 
     def clear_connector_metadata(self) -> None:
         """Drop the metadata; abandon a load a failed step left running (it then never

@@ -1,0 +1,88 @@
+"""Per-request block tables on the scheduler side, shared by the offload and store
+connectors: which blocks a request may match, and which become full in a step.
+
+Plain functions over :class:`RequestTracker`; every one runs on the event loop and never
+blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from pipeline.logs import get_logger
+
+if TYPE_CHECKING:
+    from pipeline.artifacts import ScheduledRequest
+    from pipeline.request import Request
+
+__all__ = [
+    "RequestTracker",
+    "cdiv",
+    "leading_run",
+    "match_candidates",
+    "new_full_blocks",
+    "track_scheduled",
+]
+
+log = get_logger()
+
+
+@attrs.define
+class RequestTracker:
+    """A request's block table as the workers have it, and the live request (hashes)."""
+
+    request: Request
+    block_ids: list[int]
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b``."""
+    return -(-a // b)
+
+
+def match_candidates(
+    request: Request, num_computed_tokens: int, block_size: int
+) -> tuple[int, tuple[bytes, ...]]:
+    """The first block index past ``num_computed_tokens`` and the hashes of the blocks
+    from there that a connector may match: whole blocks, never the last prompt token.
+    No candidates when ``num_computed_tokens`` is not block aligned."""
+    if num_computed_tokens % block_size:
+        return 0, ()
+    start = num_computed_tokens // block_size
+    stop = min((request.num_tokens - 1) // block_size, len(request.block_hashes))
+    return start, tuple(request.block_hashes[start:stop])
+
+
+def leading_run(found: Sequence[bool]) -> int:
+    """How many entries of ``found`` are true before the first false one."""
+    for count, here in enumerate(found):
+        if not here:
+            return count
+    return len(found)
+
+
+def track_scheduled(
+    trackers: dict[str, RequestTracker], item: ScheduledRequest, connector: str
+) -> RequestTracker | None:
+    """Apply ``item``'s new blocks to its tracker (a new request replaces its table);
+    ``None`` (logged at debug) for a request that is not tracked."""
+    tracker = trackers.get(item.req_id)
+    if tracker is None:
+        log.debug(f"{connector}: scheduled request without a tracker", req_id=item.req_id)
+        return None
+    if item.new:
+        tracker.block_ids = list(item.block_ids)
+    else:
+        tracker.block_ids.extend(item.block_ids)
+    return tracker
+
+
+def new_full_blocks(tracker: RequestTracker, item: ScheduledRequest, block_size: int) -> range:
+    """The block indexes of ``item``'s request that become full in this step (and have
+    both a block id and a hash)."""
+    end = item.num_computed_tokens + len(item.token_ids)
+    stop = min(end // block_size, len(tracker.block_ids), len(tracker.request.block_hashes))
+    return range(item.num_computed_tokens // block_size, stop)
