@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -85,6 +85,8 @@ class StepLog:
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
         self._writer: Any = None
+        # Called as listener(report, kind, fields) after each record_step (e.g. metrics).
+        self.listeners: list[Callable[[StepReport, str, dict[str, Any]], None]] = []
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
@@ -129,6 +131,11 @@ class StepLog:
                 sorted(clash)[0],
                 f"reserved keys are {', '.join(sorted(RESERVED_FIELDS))}",
             )
+        for listener in list(self.listeners):
+            try:
+                listener(report, kind, fields)
+            except Exception as exc:  # a failing listener must not fail the step
+                structlog.get_logger("kvstep").error("step listener failed", error=repr(exc))
         records = self._records(report, kind, fields)
         if self._writer is not None:
             with self._lock:

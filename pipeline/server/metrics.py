@@ -1,0 +1,131 @@
+"""Prometheus metrics of a served engine, fed by its step log, plus event-loop lag."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import anyio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pipeline.report import StepReport
+
+__all__ = ["LoopLagMonitor", "ServerMetrics"]
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class LoopLagMonitor:
+    """Measures how late the event loop wakes a sleeping task (its lag).
+
+    Run :meth:`run` as a background task of the server's loop; it sleeps
+    ``interval_s`` over and over and records the overshoot. Reading is cheap and
+    safe from the loop's thread; cancelling :meth:`run` is always safe.
+    """
+
+    def __init__(self, interval_s: float = 0.01, window: int = 2000) -> None:
+        self.interval_s = interval_s
+        self.max_s = 0.0
+        self._samples: collections.deque[float] = collections.deque(maxlen=window)
+
+    async def run(self) -> None:
+        """Sample forever (until cancelled)."""
+        while True:
+            start = time.perf_counter()
+            await anyio.sleep(self.interval_s)
+            lag = max(0.0, time.perf_counter() - start - self.interval_s)
+            self._samples.append(lag)
+            self.max_s = max(self.max_s, lag)
+
+    def p99_s(self) -> float:
+        """The 99th percentile lag of the recent window, in seconds (0 with no samples)."""
+        if not self._samples:
+            return 0.0
+        ordered = sorted(self._samples)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+    def reset(self) -> None:
+        """Forget the samples and the maximum (e.g. before a load test)."""
+        self._samples.clear()
+        self.max_s = 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        """``{"max_ms", "p99_ms", "samples"}`` for ``/health``."""
+        return {
+            "max_ms": round(self.max_s * 1e3, 3),
+            "p99_ms": round(self.p99_s() * 1e3, 3),
+            "samples": len(self._samples),
+        }
+
+
+class ServerMetrics:
+    """The server's Prometheus registry (one per app, never the global one).
+
+    :meth:`on_step` is a :class:`~pipeline.steplog.StepLog` listener: the engine and
+    the workers call it once per step, possibly from worker threads; prometheus_client
+    metrics are thread-safe, so it may run anywhere and never blocks.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.steps = Counter("kvstep_steps", "Engine steps run", ["outcome"], registry=reg)
+        self.step_latency = Histogram(
+            "kvstep_step_latency_seconds",
+            "Wall time of one step",
+            ["kind"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.stage_latency = Histogram(
+            "kvstep_stage_latency_seconds",
+            "Wall time of one stage of one step",
+            ["kind", "stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.kv_loaded = Counter(
+            "kvstep_kv_loaded_tokens", "Tokens of KV loaded by the connector", registry=reg
+        )
+        self.kv_saved = Counter(
+            "kvstep_kv_saved_tokens", "Tokens of KV saved by the connector", registry=reg
+        )
+        self.batch_tokens = Counter(
+            "kvstep_scheduled_tokens", "Tokens scheduled over all steps", registry=reg
+        )
+        self.queue_depth = Gauge(
+            "kvstep_queue_depth", "Requests admitted and not finished", registry=reg
+        )
+        self.requests = Counter(
+            "kvstep_requests",
+            "Requests finished, by finish reason",
+            ["finish_reason"],
+            registry=reg,
+        )
+        self.loop_lag_max = Gauge(
+            "kvstep_event_loop_lag_max_seconds", "Largest event-loop lag seen", registry=reg
+        )
+        self.loop_lag_p99 = Gauge(
+            "kvstep_event_loop_lag_p99_seconds", "p99 event-loop lag (recent)", registry=reg
+        )
+
+    def on_step(self, report: StepReport, kind: str, fields: dict[str, Any]) -> None:
+        """Account one step report (a StepLog listener)."""
+        self.step_latency.labels(kind).observe(report.duration_s)
+        for record in report.stages:
+            if record.outcome != "skipped":
+                self.stage_latency.labels(kind, record.name).observe(record.duration_s)
+        if kind != "engine":
+            return
+        self.steps.labels(report.outcome).inc()
+        self.kv_loaded.inc(int(fields.get("loaded_tokens", 0) or 0))
+        self.kv_saved.inc(int(fields.get("saved_tokens", 0) or 0))
+        self.batch_tokens.inc(int(fields.get("num_tokens", 0) or 0))
+
+    def render(self, *, queue_depth: int, lag: LoopLagMonitor) -> bytes:
+        """The Prometheus text exposition, after refreshing the gauges."""
+        self.queue_depth.set(queue_depth)
+        self.loop_lag_max.set(lag.max_s)
+        self.loop_lag_p99.set(lag.p99_s())
+        return generate_latest(self.registry)
