@@ -1,7 +1,7 @@
 """The library's logger: structlog's ``kvstep`` logger, never configured by kvstep.
 
 structlog, left unconfigured, prints every level to stdout. A library must not decide
-an application's logging, so kvstep does not call ``structlog.configure()``; instead its
+an application's logging, so kvstep does not configure structlog; instead its
 *debug* events (per request, per step) are emitted only once the application has
 configured structlog, where its own level filter then applies. Info and above always go
 through, rendered however the application (or structlog's default) renders them.

@@ -4,7 +4,7 @@ Records go to a JSON-lines file when a path is given, through a private structlo
 logger built with :func:`structlog.wrap_logger` (never global configuration), and, when
 the application has configured structlog itself, also to ``structlog.get_logger("kvstep")``
 at debug level. An unconfigured host application gets nothing on its stdout. The library
-never calls ``structlog.configure()``.
+never configures structlog globally.
 
 Each file record carries ``ts`` (unix time when it was written) and ``start_ts`` (unix
 time when the step or stage started), enough to draw a timeline later::
