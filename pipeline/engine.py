@@ -27,6 +27,7 @@ from pipeline.graph import StepGraph
 from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput
 from pipeline.steplog import StepLog, bind_step
+from pipeline.tokenizer import load_tokenizer
 from pipeline.worker import Worker
 from stages.fan_in import FanInAggregator
 from stages.forward.runner import ModelRunner
@@ -92,6 +93,7 @@ class EngineCore:
         self.step_log = StepLog(config.step_log)
         runners = self._load_runners(config)
         self.model_config = runners[0].model_config
+        self.tokenizer = load_tokenizer(config.model)
         self.fingerprint = runners[0].fingerprint
         self.connector: KVConnectorScheduler | None = None
         worker_connectors: list[Any] = [None] * config.world_size
@@ -183,11 +185,13 @@ class EngineCore:
     def validate_prompt(self, prompt: object) -> list[int]:
         """Return the prompt as token ids, or raise ``InvalidRequestError`` naming it."""
         if isinstance(prompt, str):
-            raise InvalidRequestError(
-                "prompt",
-                prompt[:40],
-                "text prompts need a tokenizer in the model directory; pass token ids",
-            )
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "prompt",
+                    prompt[:40],
+                    "text prompts need a tokenizer.json in the model directory; pass token ids",
+                )
+            prompt = self.tokenizer.encode(prompt)
         if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
             raise InvalidRequestError("prompt", prompt, "must be a list of token ids")
         if len(prompt) == 0:

@@ -25,10 +25,10 @@ from pipeline.server.schemas import (
     Detokenizer,
     completion_body,
     error_body,
-    load_tokenizer,
     parse_completion_request,
     usage,
 )
+from pipeline.tokenizer import load_tokenizer
 
 __all__ = ["ServerState", "create_app"]
 

@@ -9,7 +9,6 @@ text of the whole completion; every choice also carries the raw ids in ``token_i
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -18,7 +17,7 @@ from pipeline.config import SamplingParams
 from pipeline.errors import InvalidRequestError
 from pipeline.request import RequestOutput
 
-__all__ = ["CompletionRequest", "Detokenizer", "load_tokenizer", "parse_completion_request"]
+__all__ = ["CompletionRequest", "Detokenizer", "parse_completion_request"]
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
 
@@ -68,18 +67,6 @@ def parse_completion_request(body: object) -> CompletionRequest:
     except TypeError as exc:  # e.g. a float where attrs expected something else
         raise InvalidRequestError("sampling parameters", fields, str(exc)) from exc
     return CompletionRequest(model=model, prompt=prompt, params=params, stream=stream)
-
-
-def load_tokenizer(model: str) -> Any:
-    """A Hugging Face tokenizer from the model directory, or ``None`` when it has none."""
-    path = Path(model)
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        return None
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        return None
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 class Detokenizer:
