@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import time
 from collections.abc import AsyncIterator
@@ -81,7 +82,12 @@ class ServerState:
                 engine.core.step_log.listeners.remove(self.metrics.on_step)
 
 
-def create_app(engine: AsyncEngine | EngineConfig, *, model_name: str | None = None) -> Starlette:
+def create_app(
+    engine: AsyncEngine | EngineConfig,
+    *,
+    model_name: str | None = None,
+    freeze_gc: bool = False,
+) -> Starlette:
     """Build the ASGI app serving ``engine``.
 
     Args:
@@ -92,6 +98,12 @@ def create_app(engine: AsyncEngine | EngineConfig, *, model_name: str | None = N
             not run by itself: enter ``app.router.lifespan_context(app)`` from the
             outer lifespan to get the event-loop lag monitor too.
         model_name: The served model id; defaults to ``config.model``.
+        freeze_gc: Once the engine is up, move every object alive then out of the
+            cyclic garbage collector's reach (``gc.freeze()``). The model, torch and the
+            server stack are hundreds of thousands of objects; a full collection over
+            them, triggered by a burst of requests, stalled the loop for 220-260 ms in a
+            200-client burst (35-77 ms with the freeze). Process-wide, so it is off for
+            embedders and on for ``kvstep serve``, which owns its process.
 
     Returns:
         A Starlette app with ``POST /v1/completions``, ``GET /v1/models``,
@@ -112,6 +124,9 @@ def create_app(engine: AsyncEngine | EngineConfig, *, model_name: str | None = N
                 running = engine
             state.attach(running)
             stack.callback(state.detach)
+            if freeze_gc:
+                gc.collect()
+                gc.freeze()
             tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(tg.cancel_scope.cancel)  # runs first on exit
             tg.start_soon(state.lag.run)

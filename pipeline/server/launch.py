@@ -19,7 +19,8 @@ def serve(config: EngineConfig, host: str, port: int) -> None:
     """
     import uvicorn
 
-    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", lifespan="on")
+    app = create_app(config, freeze_gc=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="on")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -197,10 +197,10 @@ class TestConcurrency:
         health = _wait_idle(server)
         lag = health["loop_lag"]
         print(f"server event-loop lag under {n} streams: {lag}")
-        # Measured on 2 CPU cores (client and server share them): p99 15-50 ms; the max,
-        # 190-480 ms, is one cold spike on the first large batch. Only a loose bound on
-        # p99 is asserted (a loop blocked by the server's own code would exceed it).
-        assert lag["p99_ms"] < 250
+        # Measured on 2 CPU cores (client and server share them): p99 10-18 ms, max
+        # 35-77 ms (220-260 ms before `serve` froze the start-up heap out of the cyclic
+        # GC). The max on a shared 2-core machine is noisy, so the bound is on p99.
+        assert lag["p99_ms"] < 100
 
 
 def test_leak_check_helper(leak_check: Callable[[dict[str, int]], None]) -> None:
