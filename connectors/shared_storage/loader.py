@@ -1,6 +1,7 @@
 """``StoreLoad``: one step's reads from the store into the paged cache, layer by layer.
 
-A load runs on its own daemon thread. It opens every block's value and verifies its
+A load runs on its own daemon thread. It opens every distinct value once (blocks of
+several requests sharing a prefix share it) and verifies its
 header, then for layer 0, 1, ... reads that layer of every block (lazy per-layer reads,
 each checksum verified) and copies it into the paged cache, then sets the layer's
 ``threading.Event`` so ``wait_for_layer_load(i)`` waits for layer ``i`` only.
@@ -147,32 +148,38 @@ class StoreLoad:
     def _read_all(self) -> None:
         kv0 = self.kv_caches[0]
         shape, dtype, n = tuple(kv0[:, 0].shape), kv0.dtype, len(self.kv_caches)
-        readers: dict[int, tuple[BlockRef, _Layers]] = {}
+        # Requests sharing a prefix load the same value into several blocks: each value
+        # is read (and verified) once and copied to every block that wants it.
+        groups: dict[bytes, list[BlockRef]] = {}
         for ref in self.refs:
+            groups.setdefault(ref.block_hash, []).append(ref)
+        readers: dict[bytes, _Layers] = {}
+        for block_hash, refs in groups.items():
             if self.abandoned:
                 return
             try:
-                readers[ref.block_id] = (
-                    ref,
-                    open_block(self.store, self.fp_key, ref, shape, dtype, n),
-                )
+                readers[block_hash] = open_block(self.store, self.fp_key, refs[0], shape, dtype, n)
             except (OSError, FrameError, InvalidConfigError, StopIteration) as exc:
-                self._fail(ref, exc)
+                for ref in refs:
+                    self._fail(ref, exc)
         for layer, kv in enumerate(self.kv_caches):
-            for block_id, (ref, reader) in list(readers.items()):
+            for block_hash, reader in list(readers.items()):
+                refs = groups[block_hash]
                 try:
                     got, tensor = next(reader)
                     if got != layer:
                         raise FrameError("layer order", layer, got)
                 except (OSError, FrameError, StopIteration) as exc:
-                    self._fail(ref, exc)
-                    del readers[block_id]
+                    for ref in refs:
+                        self._fail(ref, exc)
+                    del readers[block_hash]
                     continue
                 with self._lock:
                     if self._abandoned:
                         return
-                    if block_id not in self._failed:
-                        kv[:, block_id].copy_(tensor)
+                    for ref in refs:
+                        if ref.block_id not in self._failed:
+                            kv[:, ref.block_id].copy_(tensor)
             self.layer_done[layer].set()
 
     def wait_layer(self, layer: int, deadline: float) -> bool:
