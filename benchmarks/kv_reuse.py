@@ -147,7 +147,7 @@ def shared_storage_bandwidth(llm: LLM, prompt: list[int], repeats: int = 3) -> d
     nbytes = len(refs) * worker.block_bytes
 
     def load() -> None:
-        job = StoreLoad(worker.store, worker.fp_key, refs, kv)
+        job = StoreLoad(worker.store, worker.fingerprint_key, refs, kv)
         job.start()
         job.done.wait()
         assert not job.failed_blocks
