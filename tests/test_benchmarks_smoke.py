@@ -1,0 +1,51 @@
+"""Every benchmark script runs end to end at a tiny size (numbers are not checked here:
+benchmarks measure, tests only keep the scripts working as the code under them moves)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+TINY_ARGS = {
+    "step_overhead.py": ["--steps", "50"],
+    "crash_consistency.py": ["--trials", "3"],
+    "layer_overlap.py": ["--prefix-len", "64", "--new-len", "8", "--repeats", "1"],
+    "kv_reuse.py": ["--prompts", "1", "--prompt-len", "64"],
+    "throughput.py": [
+        "--prompts",
+        "2",
+        "--prompt-len",
+        "16",
+        "--new-tokens",
+        "2",
+        "--repeats",
+        "1",
+    ],
+}
+
+
+def test_every_benchmark_is_covered() -> None:
+    """Each script in benchmarks/ has a tiny-size invocation here."""
+    assert {p.name for p in BENCHMARKS.glob("*.py")} == set(TINY_ARGS)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("script", sorted(TINY_ARGS))
+def test_benchmark_runs_and_writes_json(script: str, tmp_path: Path) -> None:
+    """The script exits 0, prints its table and writes a JSON object."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *TINY_ARGS[script], "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip()
+    result = json.loads(out.read_text())
+    assert isinstance(result, dict) and result
