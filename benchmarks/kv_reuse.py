@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 import torch
+from _models import save_random_llama
 
 from pipeline import LLM, EngineConfig, SamplingParams
 
@@ -36,10 +37,9 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 def build_model(path: Path, seed: int = 0) -> int:
     """A ~100M-parameter random Llama saved with save_pretrained; returns its size."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    return save_random_llama(
+        path,
+        seed,
         vocab_size=32000,
         hidden_size=768,
         intermediate_size=2048,
@@ -49,9 +49,6 @@ def build_model(path: Path, seed: int = 0) -> int:
         max_position_embeddings=4096,
         tie_word_embeddings=True,
     )
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return sum(p.numel() for p in model.parameters())
 
 
 @attrs.frozen

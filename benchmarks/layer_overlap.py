@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from _models import save_random_llama
 
 from connectors.offload import LoadJob, OffloadScheduler, OffloadWorker
 from connectors.registry import register_connector
@@ -94,10 +95,9 @@ register_connector("offload_bench", OffloadScheduler, BenchOffloadWorker, replac
 
 def build_model(path: Path, seed: int = 0) -> int:
     """A random 8-layer Llama (hidden 512) saved with save_pretrained; returns its size."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    return save_random_llama(
+        path,
+        seed,
         vocab_size=8192,
         hidden_size=512,
         intermediate_size=1408,
@@ -107,9 +107,6 @@ def build_model(path: Path, seed: int = 0) -> int:
         max_position_embeddings=2048,
         tie_word_embeddings=True,
     )
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return sum(p.numel() for p in model.parameters())
 
 
 def step_time(log: Path, since: int) -> tuple[float, int]:

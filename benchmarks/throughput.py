@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _models import save_random_llama
 
 from pipeline import LLM, EngineConfig, SamplingParams
 
@@ -29,10 +30,9 @@ RESULTS = Path(__file__).parent / "results"
 
 def build_model(path: Path, seed: int = 0) -> int:
     """A ~30M-parameter random Llama saved with save_pretrained; returns its size."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    return save_random_llama(
+        path,
+        seed,
         vocab_size=8192,
         hidden_size=512,
         intermediate_size=1408,
@@ -42,9 +42,6 @@ def build_model(path: Path, seed: int = 0) -> int:
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     )
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return sum(p.numel() for p in model.parameters())
 
 
 def run_transformers(
