@@ -60,7 +60,19 @@ class KVConnectorRole(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class ModelFingerprint:
-    """Identity of the model a KV block was computed by; part of every storage key."""
+    """Identity of the model a KV block was computed by; part of every storage key.
+
+    Attributes:
+        architecture: The HF architecture name.
+        weights_id: Identity of the whole checkpoint (the same on every rank).
+        dtype: The KV dtype, e.g. ``"float32"``.
+        block_size: Tokens per KV block.
+        tp_rank: The worker's rank.
+        tp_size: Number of worker ranks.
+        kv_heads: KV heads this rank's cache holds; 0 when unknown. A tensor-parallel
+            shard holds a slice of the heads while an in-process rank holds them all, so
+            their keys differ and KV is never loaded into a layout it was not made by.
+    """
 
     architecture: str
     weights_id: str
@@ -68,12 +80,18 @@ class ModelFingerprint:
     block_size: int
     tp_rank: int = 0
     tp_size: int = 1
+    kv_heads: int = 0
 
     def key(self) -> str:
-        """A short stable string for storage keys (hex digest of the fields)."""
+        """A short stable string for storage keys (hex digest of the fields).
+
+        ``kv_heads=0`` (unknown) is left out, so such a key is what it was before the
+        field existed.
+        """
         import hashlib
 
-        raw = msgspec.msgpack.encode(attrs.astuple(self))
+        fields = attrs.astuple(self)
+        raw = msgspec.msgpack.encode(fields if self.kv_heads else fields[:-1])
         return hashlib.sha256(raw).hexdigest()[:32]
 
 

@@ -1,7 +1,8 @@
 """The forward pass: a Llama-family model over a paged KV cache, sampling, device sync.
 
 ``ModelRunner`` is the entry point the forward and sample stages use; the other names
-are its parts, exported for tests, benchmarks and custom stages.
+are its parts, exported for tests, benchmarks and custom stages. ``TensorParallel`` and
+``init_process_group`` shard the model across worker processes (Megatron-style).
 """
 
 from stages.forward.attention import AttentionMetadata, build_attention_metadata, paged_attention
@@ -20,10 +21,21 @@ from stages.forward.device import (
     DeviceSync,
     make_device_sync,
 )
-from stages.forward.kv_cache import allocate_kv_caches, default_num_blocks, kv_cache_block_bytes
+from stages.forward.kv_cache import (
+    allocate_kv_caches,
+    default_num_blocks,
+    kv_cache_block_bytes,
+    local_kv_heads,
+)
 from stages.forward.layers import LayerHooks
 from stages.forward.loader import LoadedModel, load_model
 from stages.forward.model import CausalLM
+from stages.forward.parallel import (
+    TensorParallel,
+    check_tp_divisible,
+    destroy_process_group,
+    init_process_group,
+)
 from stages.forward.runner import ModelRunner
 from stages.forward.sampling import Sampler, request_seed
 
@@ -43,12 +55,17 @@ __all__ = [
     "ModelRunner",
     "RopeConfig",
     "Sampler",
+    "TensorParallel",
     "allocate_kv_caches",
     "build_attention_metadata",
+    "check_tp_divisible",
     "default_num_blocks",
+    "destroy_process_group",
+    "init_process_group",
     "kv_cache_block_bytes",
     "load_model",
     "load_model_config",
+    "local_kv_heads",
     "make_device_sync",
     "paged_attention",
     "request_seed",

@@ -3,7 +3,8 @@
 Layout of each layer's tensor: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (index 0 holds keys, 1 values). Token ``offset`` of block ``block_id`` lives at slot
 ``block_id * block_size + offset`` of the flattened ``[num_blocks * block_size, ...]``
-view, which is what :attr:`AttentionMetadata.slot_mapping` addresses.
+view, which is what :attr:`AttentionMetadata.slot_mapping` addresses. A tensor-parallel
+rank (``tp_size > 1``) holds only its own ``num_key_value_heads // tp_size`` heads.
 """
 
 from __future__ import annotations
@@ -14,18 +15,38 @@ import torch
 
 from pipeline.errors import InvalidConfigError
 from stages.forward.config import ModelConfig
+from stages.forward.parallel import check_tp_divisible
 
 __all__ = [
     "allocate_kv_caches",
     "default_num_blocks",
     "kv_cache_block_bytes",
+    "local_kv_heads",
 ]
 
 
-def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (keys and values)."""
+def local_kv_heads(config: ModelConfig, tp_size: int = 1) -> int:
+    """KV heads one rank of a ``tp_size``-way tensor-parallel group holds.
+
+    Raises:
+        InvalidConfigError: ``tp_size`` does not divide the model's heads or MLP width.
+    """
+    if tp_size != 1:
+        check_tp_divisible(config, tp_size)
+    return config.num_key_value_heads // tp_size
+
+
+def kv_cache_block_bytes(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, *, tp_size: int = 1
+) -> int:
+    """Bytes one block takes across all layers (keys and values) on one rank.
+
+    Raises:
+        InvalidConfigError: ``tp_size`` does not divide the model's heads or MLP width.
+    """
     elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * elem
+    heads = local_kv_heads(config, tp_size)
+    per_layer = 2 * block_size * heads * config.head_dim * elem
     return per_layer * config.num_hidden_layers
 
 
@@ -63,10 +84,16 @@ def allocate_kv_caches(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    tp_size: int = 1,
 ) -> list[torch.Tensor]:
     """Zero-filled caches, one ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer.
 
-    Zeros (not ``empty``) so that padded reads of never-written slots stay finite.
+    ``kv_heads`` is this rank's share, ``num_key_value_heads // tp_size``. Zeros (not
+    ``empty``) so that padded reads of never-written slots stay finite.
+
+    Raises:
+        InvalidConfigError: ``tp_size`` does not divide the model's heads or MLP width.
     """
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    heads = local_kv_heads(config, tp_size)
+    shape = (2, num_blocks, block_size, heads, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

@@ -2,6 +2,8 @@
 
 Every module works on a flat batch ``[T, ...]`` of tokens from several requests; the
 per-request structure lives in :class:`~stages.forward.attention.AttentionMetadata`.
+Built with a sharded :class:`~stages.forward.parallel.TensorParallel`, attention and MLP
+hold this rank's slice (see :mod:`stages.forward.parallel`); parameter names stay HF's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 
 from stages.forward.attention import AttentionMetadata, paged_attention
 from stages.forward.config import ModelConfig
+from stages.forward.parallel import TensorParallel, row_parallel_linear
 from stages.forward.rope import CosSin, apply_rotary
 
 __all__ = ["Attention", "DecoderLayer", "LayerHooks", "MLP", "RMSNorm"]
@@ -49,13 +52,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache."""
+    """Grouped-query self-attention over the paged KV cache.
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    ``num_heads`` and ``num_kv_heads`` are this rank's: the model's counts divided by
+    ``tp.size`` (the caller checked divisibility). q/k/v are column-split by heads,
+    ``o_proj`` is row-split and all-reduces its output.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = config.num_key_value_heads // tp.size
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         hidden, hd = config.hidden_size, config.head_dim
@@ -63,7 +71,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * hd, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, hidden, bias=config.o_proj_bias)
+        self.o_proj = row_parallel_linear(
+            self.num_heads * hd, hidden, bias=config.o_proj_bias, tp=tp
+        )
 
     def forward(
         self,
@@ -86,14 +96,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Sharded: gate/up hold ``intermediate_size // tp.size`` output channels, ``down_proj``
+    the matching input columns and all-reduces its output.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, bias = config.hidden_size, config.mlp_bias
+        inter = config.intermediate_size // tp.size
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.down_proj = row_parallel_linear(inter, hidden, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -102,10 +117,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

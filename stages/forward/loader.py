@@ -4,6 +4,8 @@ A directory holds ``config.json`` and either one or more ``*.safetensors`` files
 sharded set listed by ``model.safetensors.index.json``. Keys are checked strictly:
 a missing or unexpected weight, or a shape mismatch, is a
 :class:`~pipeline.errors.ModelLoadError` that names the path and a few of the keys.
+With a sharded :class:`~stages.forward.parallel.TensorParallel`, only this rank's slice of
+each split weight is read from disk.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -21,6 +24,7 @@ from torch import nn
 from pipeline.errors import ModelLoadError
 from stages.forward.config import ModelConfig, load_model_config
 from stages.forward.model import CausalLM
+from stages.forward.parallel import UNSHARDED, TensorParallel, split_dim
 
 __all__ = ["LoadedModel", "checkpoint_files", "load_model", "weights_identity"]
 
@@ -39,7 +43,8 @@ class LoadedModel:
         config: Its parsed configuration.
         path: The checkpoint directory.
         weights_id: A sha256 hex digest identifying config + weights (see
-            :func:`weights_identity`).
+            :func:`weights_identity`); that of the whole checkpoint, the same on every
+            tensor-parallel rank.
     """
 
     model: CausalLM
@@ -122,6 +127,31 @@ def _few(keys: set[str]) -> str:
     return ", ".join(shown) + more
 
 
+def _read(
+    fh: Any, name: str, shape: tuple[int, ...], tp: TensorParallel, directory: Path
+) -> torch.Tensor:
+    """Weight ``name`` (this rank's slice when split), after checking its on-disk shape."""
+    dim = split_dim(name) if tp.sharded else None
+    if dim is None:
+        tensor: torch.Tensor = fh.get_tensor(name)
+        full: tuple[int, ...] = tuple(tensor.shape)
+        needed = shape
+    else:
+        part = fh.get_slice(name)
+        full = tuple(part.get_shape())
+        needed = (*shape[:dim], shape[dim] * tp.size, *shape[dim + 1 :])
+    if full != needed:
+        raise ModelLoadError(
+            directory, f"weight {name!r} has shape {full}, the config needs {needed}"
+        )
+    if dim is None:
+        return tensor
+    start = tp.rank * shape[dim]
+    index = (slice(None),) * dim + (slice(start, start + shape[dim]),)
+    sliced: torch.Tensor = part[index]
+    return sliced
+
+
 def load_model(
     path: str | Path,
     *,
@@ -129,8 +159,9 @@ def load_model(
     device: torch.device,
     max_len: int,
     config: ModelConfig | None = None,
+    tp: TensorParallel = UNSHARDED,
 ) -> LoadedModel:
-    """Read the checkpoint at ``path`` onto ``device`` in ``dtype``.
+    """Read the checkpoint at ``path`` (or rank ``tp.rank``'s shard of it) onto ``device``.
 
     Args:
         path: Checkpoint directory.
@@ -138,9 +169,13 @@ def load_model(
         device: Target device.
         max_len: Length of the rotary table (the engine's ``max_model_len``).
         config: An already parsed config of ``path`` (parsed here when ``None``).
+        tp: The tensor-parallel rank to load; split weights are read slice by slice
+            (``safe_open(...).get_slice``), replicated ones whole.
 
     Raises:
-        ModelLoadError: Bad directory or config, missing/unexpected weights, wrong shapes.
+        ModelLoadError: Bad directory or config, missing/unexpected weights, wrong shapes
+            (a split weight's full on-disk shape is checked).
+        InvalidConfigError: ``tp.size`` does not divide the model's heads or MLP width.
 
     Blocks on disk I/O; call it off the event loop.
     """
@@ -149,7 +184,7 @@ def load_model(
     files = checkpoint_files(directory)
     where = _list_keys(directory, files)
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, tp)
     params = dict(model.named_parameters())  # tied lm_head.weight appears once
     present = {k for k in where if not k.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
@@ -165,13 +200,7 @@ def load_model(
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as fh:
             for name in names:
-                tensor = fh.get_tensor(name)
-                if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise ModelLoadError(
-                        directory,
-                        f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the config needs {tuple(params[name].shape)}",
-                    )
+                tensor = _read(fh, name, tuple(params[name].shape), tp, directory)
                 owner, _, attr = name.rpartition(".")
                 value = tensor.to(device=device, dtype=dtype)
                 setattr(model.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))

@@ -4,7 +4,9 @@
 ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (``model.embed_tokens.weight``,
 ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``), so safetensors
 checkpoints load without renaming. The forward pass takes a flat batch of tokens of
-several requests (prefill chunks and decode tokens mixed) and a paged KV cache.
+several requests (prefill chunks and decode tokens mixed) and a paged KV cache. Built with
+a sharded :class:`~stages.forward.parallel.TensorParallel`, each rank holds its slice of
+the attention and MLP weights under the same names (see :mod:`stages.forward.parallel`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from stages.forward.attention import AttentionMetadata
 from stages.forward.config import ModelConfig
 from stages.forward.layers import DecoderLayer, LayerHooks, RMSNorm
+from stages.forward.parallel import UNSHARDED, TensorParallel, check_tp_divisible
 from stages.forward.rope import RotaryEmbedding
 
 __all__ = ["CausalLM", "DecoderModel"]
@@ -26,11 +29,11 @@ __all__ = ["CausalLM", "DecoderModel"]
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers and final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -41,14 +44,24 @@ class CausalLM(nn.Module):
     Build it under ``torch.device("meta")`` and fill it with
     :func:`stages.forward.loader.load_model`; :meth:`init_rope` then creates the rotary
     table on the real device. Not thread-safe: one forward at a time.
+
+    With a sharded ``tp`` this is rank ``tp.rank``'s shard: every rank of the group must
+    run :meth:`forward` on the same batch at the same time (each layer all-reduces twice);
+    embeddings, norms and ``lm_head`` are replicated, so every rank gets the full output.
+
+    Raises:
+        InvalidConfigError: ``tp.size`` does not divide the model's heads or MLP width.
     """
 
     rotary: RotaryEmbedding
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
+        if tp.sharded:
+            check_tp_divisible(config, tp.size)
         self.config = config
-        self.model = DecoderModel(config)
+        self.tp = tp
+        self.model = DecoderModel(config, tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,7 +1,8 @@
 """``ModelRunner``: the worker-side object the forward and sample stages call.
 
-It owns the model (possibly shared with other in-process ranks), this rank's paged KV
-cache, the per-request block tables and the sampler. Its calls are synchronous and
+It owns the model (possibly shared with other in-process ranks, or this rank's
+tensor-parallel shard of it), this rank's paged KV cache, the per-request block tables
+and the sampler. Its calls are synchronous and
 block the calling thread for the whole forward pass: stages run them in a worker thread
 so the event loop stays responsive. One call at a time (not thread-safe).
 """
@@ -22,9 +23,15 @@ from stages.forward.builtin import resolve_model_path
 from stages.forward.config import ModelConfig, load_model_config
 from stages.forward.device import DeviceSync, make_device_sync
 from stages.forward.inputs import RequestStates
-from stages.forward.kv_cache import allocate_kv_caches, default_num_blocks, kv_cache_block_bytes
+from stages.forward.kv_cache import (
+    allocate_kv_caches,
+    default_num_blocks,
+    kv_cache_block_bytes,
+    local_kv_heads,
+)
 from stages.forward.loader import LoadedModel, load_model
 from stages.forward.model import CausalLM
+from stages.forward.parallel import UNSHARDED, TensorParallel, check_tp_divisible
 from stages.forward.sampling import Sampler
 
 __all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
@@ -70,6 +77,25 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
+def _check_tp(
+    tp: TensorParallel | None, rank: int, world_size: int, shared: ModelRunner | None
+) -> TensorParallel:
+    """The sharding to load with (``UNSHARDED`` for ``None``), checked against the ranks."""
+    if tp is None:
+        return UNSHARDED
+    if tp.rank != rank:
+        raise InvalidConfigError("tp.rank", tp.rank, f"must equal rank={rank}")
+    if tp.size != world_size:
+        raise InvalidConfigError("tp.size", tp.size, f"must equal world_size={world_size}")
+    if tp.sharded and shared is not None:
+        raise InvalidConfigError(
+            "shared_model",
+            shared.model_config.architecture,
+            "cannot be combined with a sharded tp: each tensor-parallel rank loads its shard",
+        )
+    return tp
+
+
 @attrs.frozen
 class _ConnectorHooks:
     """Layer hooks that drive a connector's per-layer calls during one forward."""
@@ -89,7 +115,8 @@ class ModelRunner:
     """Runs the model over one step's batch and samples from its logits.
 
     Build it with :meth:`load`. Attributes ``model_config``, ``device``, ``dtype``,
-    ``block_size``, ``num_blocks``, ``kv_caches`` and ``fingerprint`` are read-only.
+    ``block_size``, ``num_blocks``, ``kv_caches``, ``fingerprint`` and ``tp`` (how the
+    model is sharded: ``TensorParallel()`` for a whole model) are read-only.
     """
 
     def __init__(
@@ -104,6 +131,7 @@ class ModelRunner:
         seed: int,
         rank: int,
         world_size: int,
+        tp: TensorParallel = UNSHARDED,
     ) -> None:
         self._loaded = loaded
         self.model: CausalLM = loaded.model
@@ -115,8 +143,14 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.rank = rank
         self.world_size = world_size
+        self.tp = tp
         self.kv_caches: list[torch.Tensor] = allocate_kv_caches(
-            loaded.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device
+            loaded.config,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+            tp_size=tp.size,
         )
         self.fingerprint = ModelFingerprint(
             architecture=loaded.config.architecture,
@@ -125,6 +159,7 @@ class ModelRunner:
             block_size=block_size,
             tp_rank=rank,
             tp_size=world_size,
+            kv_heads=local_kv_heads(loaded.config, tp.size),
         )
         self.device_sync: DeviceSync = make_device_sync(device)
         self._states = RequestStates(
@@ -152,6 +187,7 @@ class ModelRunner:
         rank: int = 0,
         world_size: int = 1,
         shared_model: ModelRunner | None = None,
+        tp: TensorParallel | None = None,
     ) -> ModelRunner:
         """Load ``model`` (a local HF directory or ``"builtin:tiny"``) and allocate the cache.
 
@@ -170,10 +206,16 @@ class ModelRunner:
             world_size: Number of ranks.
             shared_model: Reuse that runner's weights (same model, dtype and device); this
                 runner still gets its own KV cache, request state and sampler.
+            tp: This process's tensor-parallel group (``tp.rank == rank``,
+                ``tp.size == world_size``): load only its shard and allocate its share
+                of the KV heads; every rank must then run each step together. ``None``
+                loads the whole model (in-process ranks each hold every head).
 
         Raises:
-            InvalidConfigError: A bad dtype, device, size, rank or incompatible
-                ``shared_model``.
+            InvalidConfigError: A bad dtype, device, size, rank, incompatible
+                ``shared_model``, a ``tp`` that disagrees with ``rank``/``world_size``
+                or is combined with ``shared_model``, or a ``world_size`` that does not
+                divide the model's heads or MLP width.
             ModelLoadError: The checkpoint cannot be loaded.
 
         Blocks on disk I/O and weight conversion; call it off the event loop.
@@ -192,12 +234,14 @@ class ModelRunner:
             _positive("num_blocks", num_blocks)
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise InvalidConfigError("rank", rank, f"must be in [0, world_size={world_size})")
+        tp = _check_tp(tp, rank, world_size, shared_model)
         path = resolve_model_path(model)
         if shared_model is not None:
             loaded = cls._shared(shared_model, path, dev, torch_dtype, max_model_len)
         else:
             config = load_model_config(path)
             config.check_max_model_len(max_model_len, path)
+            check_tp_divisible(config, tp.size)
             if max_model_len > config.max_position_embeddings:
                 log.warning(
                     "max_model_len_exceeds_model",
@@ -205,14 +249,16 @@ class ModelRunner:
                     max_position_embeddings=config.max_position_embeddings,
                 )
             loaded = load_model(
-                path, dtype=torch_dtype, device=dev, max_len=max_model_len, config=config
+                path, dtype=torch_dtype, device=dev, max_len=max_model_len, config=config, tp=tp
             )
         if num_blocks is None:
             num_blocks = default_num_blocks(
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
                 block_size=block_size,
-                block_bytes=kv_cache_block_bytes(loaded.config, block_size, torch_dtype),
+                block_bytes=kv_cache_block_bytes(
+                    loaded.config, block_size, torch_dtype, tp_size=tp.size
+                ),
                 memory_cap_bytes=kv_cache_memory_bytes,
             )
         runner = cls(
@@ -225,6 +271,7 @@ class ModelRunner:
             seed=seed,
             rank=rank,
             world_size=world_size,
+            tp=tp,
         )
         log.info(
             "model_loaded",
@@ -236,6 +283,7 @@ class ModelRunner:
             block_size=block_size,
             rank=rank,
             shared=shared_model is not None,
+            tp_size=tp.size,
         )
         return runner
 
@@ -253,13 +301,14 @@ class ModelRunner:
             and other.dtype == dtype
             and other.max_model_len >= max_model_len
             and not other._closed
+            and not other.tp.sharded
         )
         if not same:
             raise InvalidConfigError(
                 "shared_model",
                 other._loaded.path,
-                f"must be an open runner of {path} on {device} in {dtype} with "
-                f"max_model_len >= {max_model_len}",
+                f"must be an open, unsharded runner of {path} on {device} in {dtype} "
+                f"with max_model_len >= {max_model_len}",
             )
         return other._loaded
 
