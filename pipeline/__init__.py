@@ -36,7 +36,9 @@ from pipeline.errors import (
     KvstepError,
     ModelLoadError,
     StageError,
+    TransportError,
     UnknownConnectorError,
+    WorkerDiedError,
     WorkerFailedError,
 )
 from pipeline.graph import StepGraph
@@ -48,7 +50,10 @@ from pipeline.steplog import StepLog, bind_step
 if TYPE_CHECKING:
     from pipeline.async_engine import AsyncEngine, RequestStream
     from pipeline.engine import EngineCore
+    from pipeline.executor import Executor, InProcessExecutor
     from pipeline.llm import LLM
+    from pipeline.multiproc import MultiprocExecutor
+    from pipeline.ray_executor import RayExecutor
 
 __all__ = [
     "AsyncEngine",
@@ -59,11 +64,13 @@ __all__ = [
     "EngineDeadError",
     "EngineOverloaded",
     "EngineStepOutput",
+    "Executor",
     "FanInOutput",
     "FinalizerError",
     "Finalizer",
     "FunctionStage",
     "GraphError",
+    "InProcessExecutor",
     "InvalidConfigError",
     "InvalidRequestError",
     "KVStats",
@@ -73,7 +80,9 @@ __all__ = [
     "MetadataBound",
     "ModelLoadError",
     "ModelOutput",
+    "MultiprocExecutor",
     "PendingWorkerOutputs",
+    "RayExecutor",
     "Request",
     "RequestOutput",
     "RequestStatus",
@@ -90,7 +99,9 @@ __all__ = [
     "StepGraph",
     "StepLog",
     "StepReport",
+    "TransportError",
     "UnknownConnectorError",
+    "WorkerDiedError",
     "WorkerFailedError",
     "WorkerOutput",
     "as_stage",
@@ -103,6 +114,10 @@ _LAZY = {
     "AsyncEngine": "pipeline.async_engine",
     "RequestStream": "pipeline.async_engine",
     "EngineCore": "pipeline.engine",
+    "Executor": "pipeline.executor",
+    "InProcessExecutor": "pipeline.executor",
+    "MultiprocExecutor": "pipeline.multiproc",
+    "RayExecutor": "pipeline.ray_executor",
     "LLM": "pipeline.llm",
 }
 

@@ -8,50 +8,37 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import anyio
 import attrs
 
-from connectors.base import ConnectorContext, KVConnectorRole, KVConnectorScheduler
-from connectors.lifecycle import make_worker
+from connectors.base import KVConnectorRole, KVConnectorScheduler
 from connectors.registry import create_connector, get_connector
 from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.context import StepContext
-from pipeline.errors import InvalidConfigError, InvalidRequestError, StepCancelledError
-from pipeline.executor import InProcessExecutor
+from pipeline.errors import EngineDeadError, InvalidRequestError, StepCancelledError
+from pipeline.executor import Executor, InProcessExecutor
 from pipeline.failure import describe_failure
-from pipeline.graph import StepGraph
 from pipeline.logs import get_logger
+from pipeline.remote import launch_executor
 from pipeline.request import Request, RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.tokenizer import load_tokenizer
 from pipeline.worker import Worker
+from pipeline.worker_factory import GraphArg, apply_graph, build_worker, connector_context
 from stages.fan_in import FanInAggregator
+from stages.forward.builtin import resolve_model_path
+from stages.forward.config import load_model_config
+from stages.forward.parallel import check_tp_divisible
 from stages.forward.runner import ModelRunner
-from stages.graphs import default_engine_graph, default_worker_graph
+from stages.graphs import default_engine_graph
 from stages.schedule.scheduler import Scheduler
 
 __all__ = ["EngineCore", "GraphArg"]
 
 _log = get_logger()
-
-GraphArg = StepGraph | Callable[[StepGraph], StepGraph] | None
-
-
-def _apply(custom: GraphArg, default: StepGraph) -> StepGraph:
-    if custom is None:
-        return default
-    if isinstance(custom, StepGraph):
-        return custom
-    graph = custom(default)
-    if not isinstance(graph, StepGraph):
-        raise InvalidConfigError(
-            "graph", graph, "a graph function must return a StepGraph (e.g. g.insert_after(...))"
-        )
-    return graph
 
 
 def _uncancel() -> None:
@@ -83,57 +70,56 @@ class EngineCore:
         worker_graph: GraphArg = None,
         engine_graph: GraphArg = None,
     ) -> None:
-        if config.executor != "inprocess":
-            raise InvalidConfigError(
-                "executor", config.executor, "this version runs the 'inprocess' executor only"
-            )
         if config.connector is not None:
             get_connector(config.connector)  # unknown names fail before the model loads
         self.config = config
         self.step_log = StepLog(config.step_log)
-        runners = self._load_runners(config)
-        self.model_config = runners[0].model_config
-        self.tokenizer = load_tokenizer(config.model)
-        self.fingerprint = runners[0].fingerprint
-        self.connector: KVConnectorScheduler | None = None
-        worker_connectors: list[Any] = [None] * config.world_size
-        if config.connector is not None:
-            self.connector = create_connector(
-                config.connector, KVConnectorRole.SCHEDULER, self._connector_context(0, None)
-            )
-            for rank, runner in enumerate(runners):
-                raw = create_connector(
-                    config.connector,
-                    KVConnectorRole.WORKER,
-                    self._connector_context(rank, runner),
-                )
-                connector = make_worker(raw)
-                connector.register_kv_caches(runner.kv_caches)
-                worker_connectors[rank] = connector
-        self.scheduler = Scheduler.from_config(
-            config, num_blocks=runners[0].num_blocks, connector=self.connector
-        )
-        self.workers = [
-            Worker(
-                rank,
-                _apply(
-                    worker_graph,
-                    default_worker_graph(
+        self.workers: list[Worker] = []  # in-process ranks only
+        self.executor: Executor
+        try:
+            if config.executor == "inprocess":
+                runners = self._load_runners(config)
+                self.model_config = runners[0].model_config
+                self.fingerprint = runners[0].fingerprint
+                num_blocks = runners[0].num_blocks
+                self.workers = [
+                    build_worker(
+                        config,
                         runner,
                         rank=rank,
-                        connector=worker_connectors[rank],
-                        finalizer_timeout_s=config.finalizer_timeout_s,
+                        worker_graph=worker_graph,
+                        step_log=self.step_log,
+                    )
+                    for rank, runner in enumerate(runners)
+                ]
+                self.executor = InProcessExecutor(self.workers)
+            else:
+                self.model_config = load_model_config(resolve_model_path(config.model))
+                check_tp_divisible(self.model_config, config.world_size)
+                self.executor = launch_executor(config, self.step_log, worker_graph)
+                self.fingerprint = self.executor.fingerprint  # type: ignore[attr-defined]
+                num_blocks = self.executor.num_blocks  # type: ignore[attr-defined]
+            self.tokenizer = load_tokenizer(config.model)
+            self.connector: KVConnectorScheduler | None = None
+            if config.connector is not None:
+                self.connector = create_connector(
+                    config.connector,
+                    KVConnectorRole.SCHEDULER,
+                    connector_context(
+                        config,
+                        role=KVConnectorRole.SCHEDULER,
+                        rank=0,
+                        fingerprint=self.fingerprint,
                     ),
-                ),
-                connector=worker_connectors[rank],
-                runner=runner,
-                step_log=self.step_log,
+                )
+            self.scheduler = Scheduler.from_config(
+                config, num_blocks=num_blocks, connector=self.connector
             )
-            for rank, runner in enumerate(runners)
-        ]
-        self.executor = InProcessExecutor(self.workers)
+        except BaseException:
+            self._abandon()
+            raise
         self.aggregator = FanInAggregator(config.world_size, lease_s=config.transfer_lease_s)
-        self.engine_graph = _apply(
+        self.engine_graph = apply_graph(
             engine_graph,
             default_engine_graph(
                 self.scheduler,
@@ -144,6 +130,17 @@ class EngineCore:
         )
         self._ids = itertools.count()
         self._closed = False
+
+    def _abandon(self) -> None:
+        """Release what a failed ``__init__`` had started (worker processes, runners)."""
+        kill = getattr(getattr(self, "executor", None), "kill", None)
+        if kill is not None:
+            kill()
+        for worker in self.workers:
+            close = getattr(worker.runner, "close", None)
+            if close is not None:
+                close()
+        self.step_log.close()
 
     @staticmethod
     def _load_runners(config: EngineConfig) -> list[ModelRunner]:
@@ -164,18 +161,6 @@ class EngineCore:
             for rank in range(1, config.world_size)
         ]
         return [first, *rest]
-
-    def _connector_context(self, rank: int, runner: ModelRunner | None) -> ConnectorContext:
-        fingerprint = runner.fingerprint if runner is not None else self.fingerprint
-        return ConnectorContext(
-            role=KVConnectorRole.WORKER if runner is not None else KVConnectorRole.SCHEDULER,
-            options=dict(self.config.connector_options),
-            block_size=self.config.block_size,
-            fingerprint=fingerprint,
-            rank=rank,
-            world_size=self.config.world_size,
-            hash_seed=self.config.hash_seed,
-        )
 
     # ----------------------------------------------------------------- requests
 
@@ -228,6 +213,8 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether a step would make progress: requests left, delayed frees, transfers
         the connector or fan-in still wait for (their lease expires on a step)."""
+        if self.executor.check_alive() is not None:
+            return True  # the next step raises EngineDeadError at once
         waiting = self.aggregator.num_pending > 0
         return self.scheduler.has_unfinished_requests() or waiting or self._connector_pending()
 
@@ -248,6 +235,7 @@ class EngineCore:
         Raises only when the scheduler itself failed (no SchedulerOutput was produced),
         which leaves the engine in an unknown state.
         """
+        self._raise_if_dead()
         ctx = StepContext(self.scheduler.next_step_id, None)
         with bind_step(ctx.step_id):
             try:
@@ -263,6 +251,7 @@ class EngineCore:
                 scheduler_output = ctx.maybe(SchedulerOutput)
                 if scheduler_output is None:
                     raise
+                self._raise_if_dead()
                 failure = describe_failure(scheduler_output.step_id, exc, ctx.report)
                 req_ids = [r.req_id for r in scheduler_output.requests]
                 self.aggregator.forget(req_ids)
@@ -284,6 +273,14 @@ class EngineCore:
                 if ctx.report is not None:
                     self._log_step(ctx)
         return result
+
+    def _raise_if_dead(self) -> None:
+        failure = self.executor.check_alive()
+        if failure is not None:
+            raise EngineDeadError(
+                f"worker rank {failure.rank} died: {failure.reason}; "
+                f"the {self.config.executor} executor cannot run another step"
+            ) from failure
 
     def _log_step(self, ctx: StepContext) -> None:
         assert ctx.report is not None
@@ -314,11 +311,7 @@ class EngineCore:
         """Counts that must all be 0 when the engine is idle (blocks, requests, transfers)."""
         report = dict(self.scheduler.leak_report())
         report["fan_in_pending"] = self.aggregator.num_pending
-        report["bound_metadata"] = sum(
-            1
-            for w in self.workers
-            if w.connector is not None and w.connector.connector_metadata is not None
-        )
+        report["bound_metadata"] = self.executor.bound_metadata()
         return report
 
     async def aclose(self) -> None:

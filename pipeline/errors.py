@@ -29,7 +29,9 @@ __all__ = [
     "StepCancelledError",
     "StepFailedError",
     "StepFailure",
+    "TransportError",
     "UnknownConnectorError",
+    "WorkerDiedError",
     "WorkerFailedError",
 ]
 
@@ -201,6 +203,27 @@ class WorkerFailedError(KvstepError, RuntimeError):
         self.reason = reason
         self.report = report
         super().__init__(f"step {step_id}: worker rank {rank} failed: {reason}")
+
+
+class WorkerDiedError(WorkerFailedError):
+    """A worker process (or Ray actor) is gone: the executor cannot run another step.
+
+    The step in flight fails with it; the engine then raises :class:`EngineDeadError` to
+    every caller. ``exit_code`` is the process's exit status when known (negative: the
+    signal that killed it).
+    """
+
+    def __init__(self, rank: int, step_id: int, reason: str, exit_code: int | None = None) -> None:
+        self.exit_code = exit_code
+        super().__init__(rank, step_id, reason)
+
+
+class TransportError(KvstepError, RuntimeError):
+    """A message between the engine and a worker process could not be sent or read.
+
+    Raised for a payload that is not one of the wire message types (nothing is ever
+    pickled), bytes that do not decode as one, an oversized frame, or a closed peer.
+    """
 
 
 @attrs.frozen(kw_only=True)

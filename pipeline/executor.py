@@ -1,18 +1,50 @@
-"""Executors: run one worker step on every rank and hand fan-in one awaitable per rank."""
+"""Executors: run one worker step on every rank and hand fan-in one awaitable per rank.
+
+Three backends implement :class:`Executor`: :class:`InProcessExecutor` (virtual ranks in
+this process, each with the whole model), :class:`~pipeline.multiproc.MultiprocExecutor`
+(a worker process per rank, tensor-parallel) and :class:`~pipeline.ray_executor.RayExecutor`
+(Ray actors, tensor-parallel, for more than one machine).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
+from typing import Protocol
 
 import anyio
 
 from pipeline.artifacts import PendingWorkerOutputs, SchedulerOutput, WorkerOutput
-from pipeline.errors import WorkerFailedError
+from pipeline.errors import WorkerDiedError, WorkerFailedError
 from pipeline.worker import Worker
 
-__all__ = ["InProcessExecutor"]
+__all__ = ["Executor", "InProcessExecutor"]
+
+
+class Executor(Protocol):
+    """What the engine needs of an executor.
+
+    ``submit`` starts one step on every rank and returns one zero-argument awaitable per
+    rank, which fan-in awaits (and may cancel) under its deadline. ``failure`` is set
+    (and ``check_alive`` returns it) once a rank is gone for good: the engine is then
+    dead. ``bound_metadata`` counts ranks whose connector metadata is still bound (the
+    leak check). ``shutdown`` releases every rank; idempotent.
+    """
+
+    name: str
+    failure: WorkerDiedError | None
+
+    @property
+    def world_size(self) -> int: ...
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingWorkerOutputs: ...
+
+    def check_alive(self) -> WorkerDiedError | None: ...
+
+    def bound_metadata(self) -> int: ...
+
+    async def shutdown(self) -> None: ...
 
 
 async def _rank_step(worker: Worker, scheduler_output: SchedulerOutput) -> WorkerOutput:
@@ -48,6 +80,7 @@ class InProcessExecutor:
 
     def __init__(self, workers: Sequence[Worker]) -> None:
         self.workers = tuple(workers)
+        self.failure: WorkerDiedError | None = None  # in-process ranks cannot die alone
 
     @property
     def world_size(self) -> int:
@@ -58,6 +91,16 @@ class InProcessExecutor:
             partial(_rank_step, worker, scheduler_output) for worker in self.workers
         ]
         return PendingWorkerOutputs(step_id=scheduler_output.step_id, waiters=tuple(waiters))
+
+    def check_alive(self) -> WorkerDiedError | None:
+        return None
+
+    def bound_metadata(self) -> int:
+        return sum(
+            1
+            for w in self.workers
+            if w.connector is not None and w.connector.connector_metadata is not None
+        )
 
     async def shutdown(self) -> None:
         """Close every worker; each is closed even if another fails."""

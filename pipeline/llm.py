@@ -16,7 +16,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from pipeline.async_engine import AsyncEngine
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.engine import GraphArg
-from pipeline.errors import InvalidRequestError
+from pipeline.errors import EngineDeadError, InvalidRequestError
 from pipeline.request import RequestOutput
 
 __all__ = ["LLM"]
@@ -78,6 +78,10 @@ class LLM:
 
         A request that fails ends with ``finish_reason="error"``; the others complete.
         Bad input raises before any prompt is queued.
+
+        Raises:
+            InvalidRequestError: A bad prompt or parameters (nothing was queued).
+            EngineDeadError: The engine died (a worker process or actor is gone).
         """
         if isinstance(params, SamplingParams) or params is None:
             per_prompt = [params or SamplingParams()] * len(prompts)
@@ -101,9 +105,19 @@ class LLM:
                 async for out in self.engine.generate(prompts[index], params[index]):
                     results[index] = out
 
-        async with anyio.create_task_group() as tg:
-            for index in range(len(prompts)):
-                tg.start_soon(one, index)
+        try:
+            async with anyio.create_task_group() as tg:
+                for index in range(len(prompts)):
+                    tg.start_soon(one, index)
+        except BaseExceptionGroup as group:
+            # Every stream of a dead engine raises the same EngineDeadError: raise it once.
+            dead, rest = group.split(EngineDeadError)
+            if dead is not None and rest is None:
+                first: BaseException = dead.exceptions[0]
+                while isinstance(first, BaseExceptionGroup):
+                    first = first.exceptions[0]
+                raise first from None
+            raise
         return [r for r in results if r is not None]
 
     def leak_report(self) -> dict[str, int]:

@@ -1,0 +1,212 @@
+"""The messages between the engine and its worker processes, as msgspec structs.
+
+Every message is one of :data:`Message`'s tagged structs, encoded with msgpack; the
+decoder accepts nothing else, and the encoder has no fallback for other Python objects,
+so nothing is ever pickled. Artifacts (``SchedulerOutput``, ``WorkerOutput``,
+``StepReport``) are attrs classes of plain values, which msgspec encodes natively.
+Connector metadata travels as its own ``to_bytes()`` plus the import path of its class.
+
+Conversation: engine → ``Init``; worker → ``Ready`` (or ``InitFailed``); then per step
+engine → ``Step``, worker → ``StepDone`` or ``StepFailed``; finally engine → ``Shutdown``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import msgspec
+
+from connectors.base import KVConnectorMetadata, ModelFingerprint
+from pipeline.artifacts import SchedulerOutput, WorkerOutput
+from pipeline.errors import TransportError
+from pipeline.imports import resolve_import_path
+from pipeline.report import StepReport
+
+__all__ = [
+    "Init",
+    "InitFailed",
+    "Message",
+    "Ready",
+    "Shutdown",
+    "Step",
+    "StepDone",
+    "StepFailed",
+    "WorkerRecord",
+    "decode",
+    "decode_metadata",
+    "encode",
+    "encode_step",
+]
+
+
+class Init(msgspec.Struct, frozen=True, tag="init"):
+    """Engine → worker, once: who the worker is and what it loads.
+
+    Attributes:
+        rank: The worker's rank (its tensor-parallel rank).
+        world_size: Number of ranks.
+        config: The ``EngineConfig`` as plain values.
+        device: This rank's device (``cpu``, ``cuda:N``).
+        dist_backend: ``gloo`` or ``nccl``.
+        dist_init_method: Where the ranks meet (``file://...`` or ``tcp://host:port``).
+        connector_classes: Import paths of the connector's scheduler and worker classes
+            (so a connector registered in the engine's process exists here), or ``None``.
+        worker_graph: Import path of a function from the default worker graph to a new
+            one, or ``None``.
+        log_level: Level of the worker's own logging.
+    """
+
+    rank: int
+    world_size: int
+    config: dict[str, Any]
+    device: str
+    dist_backend: str
+    dist_init_method: str
+    connector_classes: tuple[str, str] | None = None
+    worker_graph: str | None = None
+    log_level: str = "info"
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    """Worker → engine: the model is loaded and the step loop is running."""
+
+    rank: int
+    pid: int
+    num_blocks: int
+    fingerprint: ModelFingerprint
+
+
+class InitFailed(msgspec.Struct, frozen=True, tag="init_failed"):
+    """Worker → engine: starting failed; the worker exits after sending it."""
+
+    rank: int
+    error_type: str
+    message: str
+
+
+class Step(msgspec.Struct, frozen=True, tag="step"):
+    """Engine → worker: run one step. ``scheduler_output`` carries no metadata object."""
+
+    scheduler_output: SchedulerOutput
+    metadata_type: str | None = None
+    metadata: bytes | None = None
+
+
+class WorkerRecord(msgspec.Struct, frozen=True):
+    """One step record of the worker's graph, written to the engine's step log."""
+
+    report: StepReport
+    fields: dict[str, Any]
+
+
+class StepDone(msgspec.Struct, frozen=True, tag="step_done"):
+    """Worker → engine: the step's output, its step records, and whether metadata is
+    still bound after the step (a leak: it must be ``False``)."""
+
+    output: WorkerOutput
+    records: list[WorkerRecord]
+    metadata_bound: bool = False
+
+
+class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):
+    """Worker → engine: the step failed on this rank (its finalizers ran).
+
+    ``fatal``: the rank cannot run another step (its tensor-parallel group may be out of
+    step: the forward pass, where the collectives are, did not complete); the worker
+    exits after sending it.
+    """
+
+    rank: int
+    step_id: int
+    reason: str
+    report: StepReport | None
+    records: list[WorkerRecord]
+    metadata_bound: bool = False
+    fatal: bool = False
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    """Engine → worker: close the worker and exit."""
+
+
+Message = Init | Ready | InitFailed | Step | StepDone | StepFailed | Shutdown
+_TYPES = (Init, Ready, InitFailed, Step, StepDone, StepFailed, Shutdown)
+
+_encoder = msgspec.msgpack.Encoder()  # no enc_hook: anything else is refused
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """msgpack bytes of one message.
+
+    Raises:
+        TransportError: ``message`` is not a wire message, or holds a value msgspec
+            cannot encode natively (there is no pickle fallback).
+    """
+    if not isinstance(message, _TYPES):
+        raise TransportError(
+            f"refusing to send a {type(message).__qualname__}: only the wire messages "
+            f"({', '.join(t.__name__ for t in _TYPES)}) cross the process boundary"
+        )
+    try:
+        return _encoder.encode(message)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TransportError(
+            f"refusing to send {type(message).__name__}: a value is not msgspec-encodable "
+            f"({exc}); kvstep never pickles"
+        ) from exc
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """The message in ``data``.
+
+    Raises:
+        TransportError: The bytes are not one of the wire messages.
+    """
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise TransportError(f"undecodable message ({len(data)} bytes): {exc}") from exc
+
+
+def encode_step(scheduler_output: SchedulerOutput) -> bytes:
+    """The ``Step`` message of ``scheduler_output``, its metadata as bytes + class path."""
+    metadata = scheduler_output.kv_connector_metadata
+    if metadata is None:
+        return encode(Step(scheduler_output))
+    if not isinstance(metadata, KVConnectorMetadata):
+        raise TransportError(
+            f"connector metadata of type {type(metadata).__qualname__} cannot cross a process "
+            "boundary: it must subclass KVConnectorMetadata (to_bytes/from_bytes)"
+        )
+    cls = type(metadata)
+    return encode(
+        Step(
+            attrs.evolve(scheduler_output, kv_connector_metadata=None),
+            metadata_type=f"{cls.__module__}:{cls.__qualname__}",
+            metadata=metadata.to_bytes(),
+        )
+    )
+
+
+def decode_metadata(step: Step) -> SchedulerOutput:
+    """``step``'s SchedulerOutput with its connector metadata object rebuilt.
+
+    Raises:
+        TransportError: The metadata class does not import, is not a
+            ``KVConnectorMetadata``, or rejects the bytes.
+    """
+    if step.metadata_type is None or step.metadata is None:
+        return step.scheduler_output
+    try:
+        cls = resolve_import_path(step.metadata_type, what="connector metadata class")
+    except Exception as exc:
+        raise TransportError(str(exc)) from exc
+    if not (isinstance(cls, type) and issubclass(cls, KVConnectorMetadata)):
+        raise TransportError(f"{step.metadata_type} is not a KVConnectorMetadata class")
+    try:
+        metadata = cls.from_bytes(step.metadata)
+    except Exception as exc:
+        raise TransportError(f"{step.metadata_type} rejected its bytes: {exc!r}") from exc
+    return attrs.evolve(step.scheduler_output, kv_connector_metadata=metadata)

@@ -1,0 +1,251 @@
+"""The main program of one worker process: ``python -m pipeline.worker_proc --fd N``.
+
+The engine starts one per rank (:class:`~pipeline.multiproc.MultiprocExecutor`) with one
+end of a socket pair as file descriptor ``N``. The worker reads its :class:`Init`,
+configures its own logging (bound to its ``rank``), joins the tensor-parallel group,
+loads its shard of the model, builds its connector half and worker graph, answers
+``Ready``, then runs steps until ``Shutdown`` or until the engine's end of the socket
+closes (the engine is gone: the worker exits rather than linger).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+import anyio
+import structlog
+
+from pipeline import wire
+from pipeline.channel import Channel, PeerGone
+from pipeline.config import EngineConfig
+from pipeline.errors import WorkerFailedError
+from pipeline.imports import resolve_import_path
+from pipeline.logs import get_logger
+from pipeline.report import StepReport
+from pipeline.steplog import StepLog
+from pipeline.worker import Worker
+from pipeline.worker_factory import build_worker
+
+__all__ = ["Records", "configure_logging", "main", "run_step", "start"]
+
+_log = get_logger()
+INIT_TIMEOUT_S = 120.0
+
+
+def configure_logging(rank: int, level: str) -> None:
+    """This process's logging: structlog key=value lines on stderr, each bound to ``rank``.
+
+    A worker process is kvstep's own program, so (unlike the library in the engine's
+    process) it configures logging, once, at start.
+    """
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.KeyValueRenderer(
+                key_order=["timestamp", "level", "event", "rank"], drop_missing=True
+            ),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(rank=rank, pid=os.getpid())
+
+
+def _register_connector(name: str, classes: tuple[str, str]) -> None:
+    from connectors.registry import get_connector, list_connectors, register_connector
+
+    if name in list_connectors():
+        return
+    try:
+        get_connector(name)  # a built-in, imported lazily
+        return
+    except KeyError:
+        pass
+    scheduler_cls = resolve_import_path(classes[0], what="connector scheduler class")
+    worker_cls = resolve_import_path(classes[1], what="connector worker class")
+    register_connector(name, scheduler_cls, worker_cls)
+
+
+def _cpu_threads(world_size: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+class Records:
+    """A step-log listener that keeps this step's records for the reply."""
+
+    def __init__(self) -> None:
+        self.items: list[wire.WorkerRecord] = []
+
+    def __call__(self, report: StepReport, kind: str, fields: dict[str, Any]) -> None:
+        self.items.append(wire.WorkerRecord(report=report, fields=dict(fields)))
+
+    def take(self) -> list[wire.WorkerRecord]:
+        items, self.items = self.items, []
+        return items
+
+
+def start(init: wire.Init, records: Records) -> Worker:
+    """Join the group, load this rank's shard, build its worker. Blocks for the load."""
+    import torch
+
+    from stages.forward.parallel import init_process_group
+    from stages.forward.runner import ModelRunner
+
+    config = EngineConfig(**init.config)
+    if init.device == "cpu":
+        torch.set_num_threads(_cpu_threads(init.world_size))
+    tp = init_process_group(
+        backend=init.dist_backend,
+        init_method=init.dist_init_method,
+        rank=init.rank,
+        world_size=init.world_size,
+        timeout_s=config.fan_in_timeout_s,
+    )
+    if config.connector is not None and init.connector_classes is not None:
+        _register_connector(config.connector, init.connector_classes)
+    runner = ModelRunner.load(
+        config.model,
+        dtype=config.dtype,
+        device=init.device,
+        block_size=config.block_size,
+        num_blocks=config.num_gpu_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        seed=config.seed,
+        rank=init.rank,
+        world_size=init.world_size,
+        tp=tp,
+    )
+    step_log = StepLog(None)
+    step_log.listeners.append(records)
+    try:
+        return build_worker(
+            config, runner, rank=init.rank, worker_graph=init.worker_graph, step_log=step_log
+        )
+    except BaseException:
+        runner.close()
+        raise
+
+
+async def serve(channel: Channel, worker: Worker, records: Records, timeout_s: float) -> None:
+    """Run steps until ``Shutdown`` or until the engine's end closes."""
+    while True:
+        try:
+            message = await channel.recv()
+        except PeerGone:
+            _log.warning("engine_gone")
+            return
+        if isinstance(message, wire.Shutdown):
+            return
+        if not isinstance(message, wire.Step):
+            raise TypeError(f"worker got {type(message).__name__} where a Step was expected")
+        reply = await run_step(worker, message, records, timeout_s)
+        await channel.send(reply)
+        if isinstance(reply, wire.StepFailed) and reply.fatal:
+            return
+
+
+async def run_step(
+    worker: Worker, message: wire.Step, records: Records, timeout_s: float
+) -> wire.StepDone | wire.StepFailed:
+    """Run one step under the fan-in deadline; every failure becomes a ``StepFailed``.
+
+    On a sharded rank (tensor parallelism), a step whose forward stage did not complete
+    is ``fatal``: the other ranks may be waiting in, or past, a collective this rank
+    never reached, and the next step's collectives would pair with the wrong tensors.
+    A failure after the forward pass (sample, save, finished, a connector's save) leaves
+    the group in step and fails only the step.
+    """
+    step_id = message.scheduler_output.step_id
+    report: StepReport | None = None
+    try:
+        scheduler_output = wire.decode_metadata(message)
+        with anyio.fail_after(timeout_s):
+            output = await worker.step(scheduler_output)
+    except WorkerFailedError as exc:
+        report = exc.report if isinstance(exc.report, StepReport) else None
+        reason = exc.reason
+    except TimeoutError:
+        reason = f"no output within the fan-in deadline of {timeout_s}s"
+    except Exception as exc:  # metadata that does not decode, ...
+        reason = repr(exc)
+    else:
+        return wire.StepDone(output, records.take(), _bound(worker))
+    fatal = _sharded(worker) and not _forward_completed(report)
+    if fatal:
+        _log.error("tensor_parallel_step_broken", step_id=step_id, reason=reason)
+    return wire.StepFailed(
+        worker.rank, step_id, reason, report, records.take(), _bound(worker), fatal=fatal
+    )
+
+
+def _sharded(worker: Worker) -> bool:
+    tp = getattr(worker.runner, "tp", None)
+    return bool(tp is not None and tp.sharded)
+
+
+def _forward_completed(report: StepReport | None) -> bool:
+    if report is None:
+        return False
+    return any(r.name == "forward" and r.outcome == "ok" for r in report.stages)
+
+
+def _bound(worker: Worker) -> bool:
+    return worker.connector is not None and worker.connector.connector_metadata is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.worker_proc")
+    parser.add_argument("--fd", type=int, required=True, help="socket to the engine")
+    args = parser.parse_args(argv)
+    channel = Channel(socket.socket(fileno=args.fd), peer="engine")
+    message = channel.recv_sync(timeout_s=INIT_TIMEOUT_S)
+    if not isinstance(message, wire.Init):
+        raise SystemExit(f"expected Init, got {type(message).__name__}")
+    init = message
+    configure_logging(init.rank, init.log_level)
+    records = Records()
+    try:
+        worker = start(init, records)
+    except Exception as exc:
+        _log.error("worker_start_failed", error=repr(exc))
+        channel.send_sync(wire.InitFailed(init.rank, type(exc).__name__, str(exc)))
+        return 1
+    fingerprint = worker.runner.fingerprint
+    channel.send_sync(wire.Ready(init.rank, os.getpid(), worker.runner.num_blocks, fingerprint))
+    _log.info("worker_ready", num_blocks=worker.runner.num_blocks, device=init.device)
+
+    async def run() -> None:
+        try:
+            await serve(channel, worker, records, EngineConfig(**init.config).fan_in_timeout_s)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await worker.aclose()
+
+    try:
+        anyio.run(run)
+    finally:
+        from stages.forward.parallel import destroy_process_group
+
+        destroy_process_group()
+        channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
