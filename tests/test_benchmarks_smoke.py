@@ -26,6 +26,24 @@ TINY_ARGS = {
         "--repeats",
         "1",
     ],
+    "workers.py": [
+        "--steps",
+        "20",
+        "--warmup",
+        "3",
+        "--rounds",
+        "2",
+        "--batch",
+        "2",
+        "--prompts",
+        "2",
+        "--prompt-len",
+        "16",
+        "--new-tokens",
+        "4",
+        "--repeats",
+        "1",
+    ],
 }
 
 
