@@ -125,7 +125,12 @@ class SampledTokens:
 
 @attrs.frozen(kw_only=True)
 class KVStats:
-    """Connector traffic of one step on one rank (summed across ranks by fan-in)."""
+    """Connector traffic of one step on one rank; fan-in merges the ranks' with :meth:`merge`.
+
+    Tokens are positions of the sequence, bytes what moved: when several ranks load the
+    same tokens (each its tensor-parallel shard, or each its own copy), the step loaded
+    those tokens once and the bytes of every rank.
+    """
 
     loaded_tokens: int = 0
     loaded_bytes: int = 0
@@ -133,10 +138,23 @@ class KVStats:
     saved_bytes: int = 0
 
     def __add__(self, other: KVStats) -> KVStats:
+        """Traffic of two steps (or two pieces of one rank's step): everything adds."""
         return KVStats(
             loaded_tokens=self.loaded_tokens + other.loaded_tokens,
             loaded_bytes=self.loaded_bytes + other.loaded_bytes,
             saved_tokens=self.saved_tokens + other.saved_tokens,
+            saved_bytes=self.saved_bytes + other.saved_bytes,
+        )
+
+    def merge(self, other: KVStats) -> KVStats:
+        """Two ranks' traffic of the same step: the most tokens either moved, all bytes.
+
+        Associative and commutative (max and sum), so fan-in's merge stays order-free.
+        """
+        return KVStats(
+            loaded_tokens=max(self.loaded_tokens, other.loaded_tokens),
+            loaded_bytes=self.loaded_bytes + other.loaded_bytes,
+            saved_tokens=max(self.saved_tokens, other.saved_tokens),
             saved_bytes=self.saved_bytes + other.saved_bytes,
         )
 
@@ -198,7 +216,7 @@ class FanInOutput:
         missing_ranks: For each expired request, the ranks that never reported it.
         invalid_block_ids: Blocks that failed to load on any rank (union).
         failed_save_req_ids: Requests whose save failed on any rank (union).
-        stats: Connector traffic of this step, summed over ranks.
+        stats: Connector traffic of this step, merged over ranks (bytes summed, tokens once).
         num_ranks: How many ranks' outputs were merged.
     """
 

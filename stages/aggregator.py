@@ -1,7 +1,8 @@
 """The fan-in aggregator: merges one step's ``WorkerOutput`` of every rank.
 
 Merging is associative and order-free: sampled tokens come from the driver rank (0),
-load-error block ids and failed saves are unioned, stats are summed. A request's
+load-error block ids and failed saves are unioned, stats are merged (bytes summed,
+tokens counted once: every rank moves the same tokens). A request's
 ``finished_sending`` / ``finished_recving`` is released to the scheduler only once
 **every** rank has reported it, possibly in different steps. Unlike vLLM's
 ``KVOutputAggregator``, which counts occurrences, the aggregator keeps the *set* of ranks
@@ -130,7 +131,7 @@ class FanInAggregator:
                 sampled.update(out.sampled_token_ids)
             invalid |= out.invalid_block_ids
             failed_saves |= out.failed_save_req_ids
-            stats = stats + out.stats
+            stats = stats.merge(out.stats)
             self._absorb(out, step_id, now)
         finished = {kind: self._release_ready(kind) for kind in _KINDS}
         missing: dict[str, tuple[int, ...]] = {}
