@@ -153,6 +153,33 @@ class TestWorkerDeath:
                 os.kill(pid, 0)
 
 
+class TestEventLoops:
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("anyio_backend", ["trio"])
+    async def test_streams_under_trio(self, llama_path: Path, anyio_backend: str) -> None:
+        """The multiproc executor's socket waits work under trio as under asyncio."""
+        expected = generate(config(llama_path))[0]
+        async with AsyncEngine(config(llama_path, executor="multiproc", world_size=2)) as engine:
+            got = []
+            for prompt in workload()[:2]:
+                outs = [out async for out in engine.generate(prompt, PARAMS)]
+                got.append(outs[-1].token_ids)
+        assert got == expected[:2]
+
+    @pytest.mark.timeout(60)
+    @pytest.mark.anyio
+    async def test_a_worker_dying_while_idle_is_noticed(self, llama_path: Path) -> None:
+        """A worker killed while no step runs: the idle loop's liveness poll ends the
+        engine, and the next generate raises EngineDeadError at once."""
+        async with AsyncEngine(config(llama_path, executor="multiproc", world_size=2)) as engine:
+            pids = engine.core.executor.pids  # type: ignore[attr-defined]
+            os.kill(pids[0], signal.SIGKILL)
+            await anyio.sleep(1.0)  # the idle loop polls the workers every 50 ms
+            with pytest.raises(EngineDeadError) as dead:
+                engine.generate([1, 2, 3], PARAMS)
+            assert "rank 0" in str(dead.value)
+
+
 class TestNoPickle:
     def test_wire_refuses_what_is_not_a_message(self) -> None:
         """The transport refuses a non-message, a message holding an arbitrary object,
