@@ -50,7 +50,7 @@ from pipeline.steplog import StepLog, bind_step
 if TYPE_CHECKING:
     from pipeline.async_engine import AsyncEngine, RequestStream
     from pipeline.engine import EngineCore
-    from pipeline.executor import Executor, InProcessExecutor
+    from pipeline.executor import InProcessExecutor
     from pipeline.llm import LLM
     from pipeline.multiproc import MultiprocExecutor
     from pipeline.ray_executor import RayExecutor
@@ -64,7 +64,6 @@ __all__ = [
     "EngineDeadError",
     "EngineOverloaded",
     "EngineStepOutput",
-    "Executor",
     "FanInOutput",
     "FinalizerError",
     "Finalizer",
@@ -114,7 +113,6 @@ _LAZY = {
     "AsyncEngine": "pipeline.async_engine",
     "RequestStream": "pipeline.async_engine",
     "EngineCore": "pipeline.engine",
-    "Executor": "pipeline.executor",
     "InProcessExecutor": "pipeline.executor",
     "MultiprocExecutor": "pipeline.multiproc",
     "RayExecutor": "pipeline.ray_executor",
