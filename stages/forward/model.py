@@ -26,12 +26,24 @@ from stages.forward.rope import RotaryEmbedding
 __all__ = ["CausalLM", "DecoderModel"]
 
 
+class _CheckpointEmbedding(nn.Embedding):
+    """``nn.Embedding`` without the random init: the loader assigns its weight.
+
+    ``nn.Embedding`` fills its weight with ``normal_`` on construction; on the meta
+    device that op runs ``torch._refs``, which imports ``torch._dynamo`` (over a second
+    per process). Parameter names and shapes are those of ``nn.Embedding``.
+    """
+
+    def reset_parameters(self) -> None:
+        """Leave the weight uninitialised (it is replaced from the checkpoint)."""
+
+
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers and final norm (HF's ``model.`` prefix)."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _CheckpointEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
@@ -43,7 +55,8 @@ class CausalLM(nn.Module):
 
     Build it under ``torch.device("meta")`` and fill it with
     :func:`stages.forward.loader.load_model`; :meth:`init_rope` then creates the rotary
-    table on the real device. Not thread-safe: one forward at a time.
+    table on the real device. The embeddings are not randomly initialised (every weight
+    comes from the checkpoint). Not thread-safe: one forward at a time.
 
     With a sharded ``tp`` this is rank ``tp.rank``'s shard: every rank of the group must
     run :meth:`forward` on the same batch at the same time (each layer all-reduces twice);

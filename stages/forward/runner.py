@@ -10,90 +10,24 @@ so the event loop stays responsive. One call at a time (not thread-safe).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import attrs
 import torch
 
 from connectors.base import ForwardContext, KVConnectorWorker, ModelFingerprint
 from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
-from pipeline.errors import InvalidConfigError, StageError
-from pipeline.logs import get_logger
-from stages.forward.builtin import resolve_model_path
-from stages.forward.config import ModelConfig, load_model_config
+from pipeline.errors import StageError
+from stages.forward.config import ModelConfig
 from stages.forward.device import DeviceSync, make_device_sync
 from stages.forward.inputs import RequestStates
-from stages.forward.kv_cache import (
-    allocate_kv_caches,
-    default_num_blocks,
-    kv_cache_block_bytes,
-    local_kv_heads,
-)
-from stages.forward.loader import LoadedModel, load_model
+from stages.forward.kv_cache import allocate_kv_caches, local_kv_heads
+from stages.forward.loader import LoadedModel
 from stages.forward.model import CausalLM
-from stages.forward.parallel import UNSHARDED, TensorParallel, check_tp_divisible
+from stages.forward.parallel import UNSHARDED, TensorParallel
+from stages.forward.runner_load import load_runner, resolve_device, resolve_dtype
 from stages.forward.sampling import Sampler
 
 __all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
-
-log = get_logger()
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-
-    Raises:
-        InvalidConfigError: Another name, or CUDA asked for but unavailable.
-    """
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cpu":
-        return torch.device("cpu")
-    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise InvalidConfigError("device", device, "CUDA is not available here; use cpu")
-        return torch.device(device)
-    raise InvalidConfigError("device", device, "must be auto, cpu, cuda or cuda:N")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``"auto"`` (bfloat16 on CUDA, float32 on CPU) or a name of :data:`_DTYPES`.
-
-    Raises:
-        InvalidConfigError: Any other name.
-    """
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise InvalidConfigError("dtype", dtype, f"must be auto or one of {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def _positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidConfigError(name, value, "must be a positive integer")
-    return value
-
-
-def _check_tp(
-    tp: TensorParallel | None, rank: int, world_size: int, shared: ModelRunner | None
-) -> TensorParallel:
-    """The sharding to load with (``UNSHARDED`` for ``None``), checked against the ranks."""
-    if tp is None:
-        return UNSHARDED
-    if tp.rank != rank:
-        raise InvalidConfigError("tp.rank", tp.rank, f"must equal rank={rank}")
-    if tp.size != world_size:
-        raise InvalidConfigError("tp.size", tp.size, f"must equal world_size={world_size}")
-    if tp.sharded and shared is not None:
-        raise InvalidConfigError(
-            "shared_model",
-            shared.model_config.architecture,
-            "cannot be combined with a sharded tp: each tensor-parallel rank loads its shard",
-        )
-    return tp
 
 
 @attrs.frozen
@@ -220,97 +154,21 @@ class ModelRunner:
 
         Blocks on disk I/O and weight conversion; call it off the event loop.
         """
-        dev = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, dev)
-        for name, value in (
-            ("block_size", block_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_model_len", max_model_len),
-            ("kv_cache_memory_bytes", kv_cache_memory_bytes),
-            ("world_size", world_size),
-        ):
-            _positive(name, value)
-        if num_blocks is not None:
-            _positive("num_blocks", num_blocks)
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise InvalidConfigError("rank", rank, f"must be in [0, world_size={world_size})")
-        tp = _check_tp(tp, rank, world_size, shared_model)
-        path = resolve_model_path(model)
-        if shared_model is not None:
-            loaded = cls._shared(shared_model, path, dev, torch_dtype, max_model_len)
-        else:
-            config = load_model_config(path)
-            config.check_max_model_len(max_model_len, path)
-            check_tp_divisible(config, tp.size)
-            if max_model_len > config.max_position_embeddings:
-                log.warning(
-                    "max_model_len_exceeds_model",
-                    max_model_len=max_model_len,
-                    max_position_embeddings=config.max_position_embeddings,
-                )
-            loaded = load_model(
-                path, dtype=torch_dtype, device=dev, max_len=max_model_len, config=config, tp=tp
-            )
-        if num_blocks is None:
-            num_blocks = default_num_blocks(
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                block_size=block_size,
-                block_bytes=kv_cache_block_bytes(
-                    loaded.config, block_size, torch_dtype, tp_size=tp.size
-                ),
-                memory_cap_bytes=kv_cache_memory_bytes,
-            )
-        runner = cls(
-            loaded=loaded,
-            device=dev,
-            dtype=torch_dtype,
+        return load_runner(
+            model,
+            dtype=dtype,
+            device=device,
             block_size=block_size,
             num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
             seed=seed,
             rank=rank,
             world_size=world_size,
+            shared_model=shared_model,
             tp=tp,
         )
-        log.info(
-            "model_loaded",
-            model=model,
-            path=str(path),
-            device=str(dev),
-            dtype=runner.fingerprint.dtype,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            rank=rank,
-            shared=shared_model is not None,
-            tp_size=tp.size,
-        )
-        return runner
-
-    @staticmethod
-    def _shared(
-        other: ModelRunner,
-        path: Path,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_model_len: int,
-    ) -> LoadedModel:
-        same = (
-            other._loaded.path.resolve() == path.resolve()
-            and other.device == device
-            and other.dtype == dtype
-            and other.max_model_len >= max_model_len
-            and not other._closed
-            and not other.tp.sharded
-        )
-        if not same:
-            raise InvalidConfigError(
-                "shared_model",
-                other._loaded.path,
-                f"must be an open, unsharded runner of {path} on {device} in {dtype} "
-                f"with max_model_len >= {max_model_len}",
-            )
-        return other._loaded
 
     def forward_context(self, scheduler_output: SchedulerOutput) -> ForwardContext:
         """The context the connector hooks see for this step (cheap; no copies)."""

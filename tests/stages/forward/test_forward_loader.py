@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from stages.forward import ModelConfig, load_model, load_model_config
 from stages.forward.loader import weights_identity
 
 CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parents[3]
 
 HFGet = Callable[[str], tuple[Any, Path]]
 
@@ -126,6 +130,31 @@ class TestLoadModel:
         _, path = hf_checkpoint("llama_tied")
         model = load_model(path, dtype=torch.float32, device=CPU, max_len=64).model
         assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    def test_fresh_load_does_not_import_dynamo(self, hf_checkpoint: HFGet) -> None:
+        """Building the meta model skips the embedding's random init, which on the meta
+        device imports ``torch._dynamo`` (over a second in every worker process)."""
+        _, path = hf_checkpoint("llama_gqa")
+        code = (
+            "import sys, torch\n"
+            "if 'torch._dynamo' in sys.modules: sys.exit(3)\n"
+            "from stages.forward import load_model\n"
+            f"load_model({str(path)!r}, dtype=torch.float32, device=torch.device('cpu'), "
+            "max_len=64)\n"
+            "sys.exit(int('torch._dynamo' in sys.modules))\n"
+        )
+        pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": pythonpath},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if proc.returncode == 3:
+            pytest.skip("this torch imports torch._dynamo on import")
+        assert proc.returncode == 0, proc.stderr
 
     def test_missing_weight(self, hf_checkpoint: HFGet, tmp_path: Path) -> None:
         """A missing weight is a ModelLoadError naming the key and the path."""

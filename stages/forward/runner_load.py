@@ -1,0 +1,234 @@
+"""How a :class:`~stages.forward.runner.ModelRunner` is built: checks, then loading.
+
+:func:`load_runner` is the body of ``ModelRunner.load``: it resolves the device and
+dtype, checks the sizes, ranks and tensor-parallel group, reuses a compatible
+``shared_model``'s weights or reads the checkpoint, sizes the KV cache and constructs the
+runner. Every bad argument is an :class:`~pipeline.errors.InvalidConfigError` raised
+before any weight is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipeline.errors import InvalidConfigError
+from pipeline.logs import get_logger
+from stages.forward.builtin import resolve_model_path
+from stages.forward.config import load_model_config
+from stages.forward.kv_cache import default_num_blocks, kv_cache_block_bytes
+from stages.forward.loader import LoadedModel, load_model
+from stages.forward.parallel import UNSHARDED, TensorParallel, check_tp_divisible
+
+if TYPE_CHECKING:
+    from stages.forward.runner import ModelRunner
+
+__all__ = ["load_runner", "resolve_device", "resolve_dtype"]
+
+log = get_logger()
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+
+    Raises:
+        InvalidConfigError: Another name, or CUDA asked for but unavailable.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise InvalidConfigError("device", device, "CUDA is not available here; use cpu")
+        return torch.device(device)
+    raise InvalidConfigError("device", device, "must be auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` (bfloat16 on CUDA, float32 on CPU) or a name of :data:`_DTYPES`.
+
+    Raises:
+        InvalidConfigError: Any other name.
+    """
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidConfigError("dtype", dtype, f"must be auto or one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _positive(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidConfigError(name, value, "must be a positive integer")
+    return value
+
+
+def _check_tp(
+    tp: TensorParallel | None, rank: int, world_size: int, shared: ModelRunner | None
+) -> TensorParallel:
+    """The sharding to load with (``UNSHARDED`` for ``None``), checked against the ranks."""
+    if tp is None:
+        return UNSHARDED
+    if tp.rank != rank:
+        raise InvalidConfigError("tp.rank", tp.rank, f"must equal rank={rank}")
+    if tp.size != world_size:
+        raise InvalidConfigError("tp.size", tp.size, f"must equal world_size={world_size}")
+    if tp.sharded and shared is not None:
+        raise InvalidConfigError(
+            "shared_model",
+            shared.model_config.architecture,
+            "cannot be combined with a sharded tp: each tensor-parallel rank loads its shard",
+        )
+    return tp
+
+
+def _shared(
+    other: ModelRunner,
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> LoadedModel:
+    """``other``'s weights, when it is an open, unsharded runner of the same model.
+
+    Reads the runner's private ``_loaded`` and ``_closed``: this module is the
+    construction half of :class:`~stages.forward.runner.ModelRunner`.
+    """
+    same = (
+        other._loaded.path.resolve() == path.resolve()
+        and other.device == device
+        and other.dtype == dtype
+        and other.max_model_len >= max_model_len
+        and not other._closed
+        and not other.tp.sharded
+    )
+    if not same:
+        raise InvalidConfigError(
+            "shared_model",
+            other._loaded.path,
+            f"must be an open, unsharded runner of {path} on {device} in {dtype} "
+            f"with max_model_len >= {max_model_len}",
+        )
+    return other._loaded
+
+
+def load_runner(
+    model: str,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    max_num_seqs: int = 64,
+    max_model_len: int = 4096,
+    kv_cache_memory_bytes: int = 2 << 30,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    shared_model: ModelRunner | None = None,
+    tp: TensorParallel | None = None,
+) -> ModelRunner:
+    """Load ``model`` (a local HF directory or ``"builtin:tiny"``) and allocate the cache.
+
+    Args:
+        model: Checkpoint directory or builtin name.
+        dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
+        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
+        block_size: Tokens per KV block.
+        num_blocks: KV blocks; ``None`` sizes the cache for ``max_num_seqs``
+            sequences of ``max_model_len`` tokens, capped by ``kv_cache_memory_bytes``.
+        max_num_seqs: Sequences the default cache size provides for.
+        max_model_len: Longest context served (also the rotary table length).
+        kv_cache_memory_bytes: Cap of the default cache size.
+        seed: Seed of the sampler for requests without their own seed.
+        rank: This worker's rank (part of the fingerprint).
+        world_size: Number of ranks.
+        shared_model: Reuse that runner's weights (same model, dtype and device); this
+            runner still gets its own KV cache, request state and sampler.
+        tp: This process's tensor-parallel group (``tp.rank == rank``,
+            ``tp.size == world_size``): load only its shard and allocate its share
+            of the KV heads; every rank must then run each step together. ``None``
+            loads the whole model (in-process ranks each hold every head).
+
+    Raises:
+        InvalidConfigError: A bad dtype, device, size, rank, incompatible
+            ``shared_model``, a ``tp`` that disagrees with ``rank``/``world_size``
+            or is combined with ``shared_model``, or a ``world_size`` that does not
+            divide the model's heads or MLP width.
+        ModelLoadError: The checkpoint cannot be loaded.
+
+    Blocks on disk I/O and weight conversion; call it off the event loop.
+    """
+    from stages.forward.runner import ModelRunner  # runner.py imports this module
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    for name, value in (
+        ("block_size", block_size),
+        ("max_num_seqs", max_num_seqs),
+        ("max_model_len", max_model_len),
+        ("kv_cache_memory_bytes", kv_cache_memory_bytes),
+        ("world_size", world_size),
+    ):
+        _positive(name, value)
+    if num_blocks is not None:
+        _positive("num_blocks", num_blocks)
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidConfigError("rank", rank, f"must be in [0, world_size={world_size})")
+    tp = _check_tp(tp, rank, world_size, shared_model)
+    path = resolve_model_path(model)
+    if shared_model is not None:
+        loaded = _shared(shared_model, path, dev, torch_dtype, max_model_len)
+    else:
+        config = load_model_config(path)
+        config.check_max_model_len(max_model_len, path)
+        check_tp_divisible(config, tp.size)
+        if max_model_len > config.max_position_embeddings:
+            log.warning(
+                "max_model_len_exceeds_model",
+                max_model_len=max_model_len,
+                max_position_embeddings=config.max_position_embeddings,
+            )
+        loaded = load_model(
+            path, dtype=torch_dtype, device=dev, max_len=max_model_len, config=config, tp=tp
+        )
+    if num_blocks is None:
+        num_blocks = default_num_blocks(
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            block_bytes=kv_cache_block_bytes(
+                loaded.config, block_size, torch_dtype, tp_size=tp.size
+            ),
+            memory_cap_bytes=kv_cache_memory_bytes,
+        )
+    runner = ModelRunner(
+        loaded=loaded,
+        device=dev,
+        dtype=torch_dtype,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        tp=tp,
+    )
+    log.info(
+        "model_loaded",
+        model=model,
+        path=str(path),
+        device=str(dev),
+        dtype=runner.fingerprint.dtype,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        rank=rank,
+        shared=shared_model is not None,
+        tp_size=tp.size,
+    )
+    return runner
