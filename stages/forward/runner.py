@@ -10,6 +10,7 @@ so the event loop stays responsive. One call at a time (not thread-safe).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 
 import attrs
 import torch
@@ -17,6 +18,7 @@ import torch
 from connectors.base import ForwardContext, KVConnectorWorker, ModelFingerprint
 from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.errors import StageError
+from stages.forward.compute_thread import ComputeThread
 from stages.forward.config import ModelConfig
 from stages.forward.device import DeviceSync, make_device_sync
 from stages.forward.inputs import RequestStates
@@ -66,7 +68,9 @@ class ModelRunner:
         rank: int,
         world_size: int,
         tp: TensorParallel = UNSHARDED,
+        compute: ComputeThread | None = None,
     ) -> None:
+        self.compute = compute or ComputeThread(f"kvstep-compute-r{rank}")
         self._loaded = loaded
         self.model: CausalLM = loaded.model
         self.model_config: ModelConfig = loaded.config
@@ -154,21 +158,30 @@ class ModelRunner:
 
         Blocks on disk I/O and weight conversion; call it off the event loop.
         """
-        return load_runner(
-            model,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            shared_model=shared_model,
-            tp=tp,
-        )
+        compute = ComputeThread(f"kvstep-compute-r{rank}")
+        try:
+            return compute.call(
+                partial(
+                    load_runner,
+                    model,
+                    dtype=dtype,
+                    device=device,
+                    block_size=block_size,
+                    num_blocks=num_blocks,
+                    max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len,
+                    kv_cache_memory_bytes=kv_cache_memory_bytes,
+                    seed=seed,
+                    rank=rank,
+                    world_size=world_size,
+                    shared_model=shared_model,
+                    tp=tp,
+                    compute=compute,
+                )
+            )
+        except BaseException:
+            compute.close()
+            raise
 
     def forward_context(self, scheduler_output: SchedulerOutput) -> ForwardContext:
         """The context the connector hooks see for this step (cheap; no copies)."""
@@ -263,3 +276,4 @@ class ModelRunner:
         self._closed = True
         self._states.clear()
         self.kv_caches = []
+        self.compute.close()

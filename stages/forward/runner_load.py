@@ -23,6 +23,7 @@ from stages.forward.loader import LoadedModel, load_model
 from stages.forward.parallel import UNSHARDED, TensorParallel, check_tp_divisible
 
 if TYPE_CHECKING:
+    from stages.forward.compute_thread import ComputeThread
     from stages.forward.runner import ModelRunner
 
 __all__ = ["load_runner", "resolve_device", "resolve_dtype"]
@@ -132,6 +133,7 @@ def load_runner(
     world_size: int = 1,
     shared_model: ModelRunner | None = None,
     tp: TensorParallel | None = None,
+    compute: ComputeThread | None = None,
 ) -> ModelRunner:
     """Load ``model`` (a local HF directory or ``"builtin:tiny"``) and allocate the cache.
 
@@ -150,6 +152,8 @@ def load_runner(
         world_size: Number of ranks.
         shared_model: Reuse that runner's weights (same model, dtype and device); this
             runner still gets its own KV cache, request state and sampler.
+        compute: The thread that runs the runner's torch work (``ModelRunner.load``
+            loads on it too); a new one when ``None``.
         tp: This process's tensor-parallel group (``tp.rank == rank``,
             ``tp.size == world_size``): load only its shard and allocate its share
             of the KV heads; every rank must then run each step together. ``None``
@@ -218,6 +222,7 @@ def load_runner(
         rank=rank,
         world_size=world_size,
         tp=tp,
+        compute=compute,
     )
     log.info(
         "model_loaded",

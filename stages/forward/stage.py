@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-import anyio.to_thread
 import attrs
 
 from connectors.base import KVConnectorWorker
@@ -19,7 +18,7 @@ __all__ = ["ForwardStage", "SampleStage"]
 
 @attrs.frozen
 class ForwardStage:
-    """Runs the model on a worker thread; per-layer connector hooks run on that thread.
+    """Runs the model on the runner's compute thread; per-layer connector hooks run there.
 
     The event loop stays free while the pass runs. When ``load`` bound nothing, the
     connector is not handed to the pass, so its layer hooks are not called.
@@ -37,7 +36,7 @@ class ForwardStage:
         connector = self.connector if ctx.get(LoadStarted).started else None
         if scheduler_output.is_empty and connector is None:
             return self.runner.execute(scheduler_output, None)  # drops finished state only
-        return await anyio.to_thread.run_sync(self.runner.execute, scheduler_output, connector)
+        return await self.runner.compute.run(self.runner.execute, scheduler_output, connector)
 
 
 @attrs.frozen
@@ -59,6 +58,6 @@ class SampleStage:
         model_output = ctx.get(ModelOutput)
         if not self.driver or not model_output.req_ids:
             return SampledTokens()
-        return await anyio.to_thread.run_sync(
+        return await self.runner.compute.run(
             self.runner.sample, ctx.get(SchedulerOutput), model_output
         )
