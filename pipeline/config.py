@@ -68,8 +68,11 @@ class EngineConfig:
         connector_options: Options handed to that connector.
         enable_prefix_caching: Reuse cached blocks inside the engine.
         hash_seed: Root of the chained block hashes (stable across restarts).
-        executor: ``"inprocess"``, ``"multiproc"`` or ``"ray"``.
-        world_size: Number of worker ranks.
+        executor: ``"inprocess"`` (virtual ranks in this process, each with the whole
+            model), ``"multiproc"`` (a worker process per rank) or ``"ray"`` (a Ray actor
+            per rank); the last two split the model tensor-parallel across the ranks.
+        world_size: Number of worker ranks; with ``multiproc`` / ``ray`` it must divide
+            the model's attention heads, KV heads and MLP width.
         step_log: Path of a JSON-lines step log, or ``None``.
         load_failure_policy: ``"recompute"`` or ``"fail"`` for blocks that fail to load.
         fan_in_timeout_s: Deadline for all ranks' outputs of one step.
