@@ -35,6 +35,7 @@ __all__ = ["Records", "configure_logging", "main", "run_step", "start"]
 
 _log = get_logger()
 INIT_TIMEOUT_S = 120.0
+DIST_MIN_TIMEOUT_S = 30.0
 
 
 def configure_logging(rank: int, level: str) -> None:
@@ -113,7 +114,9 @@ def start(init: wire.Init, records: Records) -> Worker:
         init_method=init.dist_init_method,
         rank=init.rank,
         world_size=init.world_size,
-        timeout_s=config.fan_in_timeout_s,
+        # Bounds the rendezvous and every collective; never shorter than DIST_MIN_TIMEOUT_S
+        # so that a short fan-in deadline cannot fail a slow start.
+        timeout_s=max(config.fan_in_timeout_s, DIST_MIN_TIMEOUT_S),
     )
     if config.connector is not None and init.connector_classes is not None:
         _register_connector(config.connector, init.connector_classes)
@@ -186,6 +189,10 @@ async def run_step(
         reason = repr(exc)
     else:
         return wire.StepDone(output, records.take(), _bound(worker))
+    if report is None:  # cut at the deadline: the step log still has its report
+        report = next(
+            (r.report for r in reversed(records.items) if r.report.step_id == step_id), None
+        )
     fatal = _sharded(worker) and not _forward_completed(report)
     if fatal:
         _log.error("tensor_parallel_step_broken", step_id=step_id, reason=reason)

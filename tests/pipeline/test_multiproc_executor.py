@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import anyio
+import attrs
 import msgspec
 import pytest
 
@@ -340,3 +341,25 @@ class TestFaultsAcrossProcesses:
             with pytest.raises(EngineDeadError, match="rank 1"):
                 llm.generate(workload(), PARAMS)
             assert time.monotonic() - start < TIMEOUT_S / 2
+
+    @pytest.mark.timeout(120)
+    def test_a_rank_past_the_deadline_fails_its_step_and_is_resynchronised(
+        self, llama_path: Path, tmp_path: Path
+    ) -> None:
+        """wait_for_save hanging on rank 1 past a 2 s fan-in deadline: that step's
+        requests fail naming the deadline, the late reply is dropped when it arrives, and
+        the next generation on the same engine gives the single rank's tokens."""
+        cfg = faulty(
+            llama_path,
+            tmp_path,
+            {"call": "wait_for_save", "action": "hang", "hang_s": 4.0, "step": 1, "rank": 1},
+        )
+        cfg = EngineConfig(**{**attrs.asdict(cfg, recurse=False), "fan_in_timeout_s": 2.0})
+        expected = generate(config(llama_path))[0]
+        with LLM(cfg) as llm:
+            outs = llm.generate(workload(), PARAMS)
+            failed = [o for o in outs if o.finish_reason == "error"]
+            assert failed
+            assert all("deadline" in str(o.failure) for o in failed)
+            again = llm.generate(workload(), PARAMS)
+        assert [o.token_ids for o in again] == expected
