@@ -410,6 +410,56 @@ def print_table(title: str, headers: tuple[str, ...], rows: list[tuple[str, ...]
         Console(width=120).print(table)
 
 
+_ECHO = """
+import socket, sys, anyio
+from pipeline import wire
+from pipeline.artifacts import WorkerOutput
+from pipeline.channel import Channel
+
+async def serve(channel):
+    while True:
+        message = await channel.recv()
+        if isinstance(message, wire.Shutdown):
+            return
+        step_id = message.scheduler_output.step_id
+        await channel.send(wire.StepDone(WorkerOutput(rank=0, step_id=step_id), []))
+
+anyio.run(serve, Channel(socket.socket(fileno=int(sys.argv[1])), peer="engine"))
+"""
+
+
+async def measure_round_trip(n: int) -> float:
+    """Median µs of one Step → StepDone exchange with an echo process: the floor of what
+    the process boundary costs per step (a socket pair, msgspec, two wake-ups)."""
+    import socket
+    import subprocess
+
+    from pipeline import wire
+    from pipeline.artifacts import SchedulerOutput
+    from pipeline.channel import Channel
+
+    mine, theirs = socket.socketpair()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ECHO, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env
+    )
+    theirs.close()
+    channel = Channel(mine, peer="echo")
+    samples: list[int] = []
+    try:
+        for step_id in range(n + 50):
+            start = time.perf_counter_ns()
+            await channel.send(wire.encode_step(SchedulerOutput(step_id=step_id)))
+            await channel.recv(alive=lambda: proc.poll() is None)
+            if step_id >= 50:
+                samples.append(time.perf_counter_ns() - start)
+        await channel.send(wire.Shutdown())
+    finally:
+        proc.wait(timeout=30)
+        channel.close()
+    return round(statistics.median(samples) / 1000, 1)
+
+
 def print_results(result: dict[str, Any]) -> None:
     steps = result["steps"]
     rows = []
@@ -436,6 +486,10 @@ def print_results(result: dict[str, Any]) -> None:
             "mp2-ip2 µs",
         ),
         rows,
+    )
+    print(
+        f"bare round trip engine -> echo process -> engine (msgspec over a socket pair): "
+        f"{steps['round_trip_us']:.0f} µs median"
     )
     tp = result["tp"]
     print_table(
@@ -503,6 +557,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     wall = time.perf_counter()
     steps = anyio.run(measure_all_steps, args)
+    steps["round_trip_us"] = anyio.run(measure_round_trip, args.steps)
     steps_s = time.perf_counter() - wall
     tp = measure_tp(args)
     result = {
