@@ -14,13 +14,23 @@ import random
 import signal
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import anyio
 import attrs
 import msgspec
 import pytest
 
-from pipeline import LLM, AsyncEngine, EngineConfig, SamplingParams, wire
+from pipeline import (
+    LLM,
+    AsyncEngine,
+    EngineConfig,
+    ModelOutput,
+    SamplingParams,
+    StepContext,
+    StepGraph,
+    wire,
+)
 from pipeline.channel import Channel
 from pipeline.errors import EngineDeadError, InvalidConfigError, WorkerFailedError
 
@@ -64,6 +74,12 @@ def generate(cfg: EngineConfig) -> tuple[list[tuple[int, ...]], list[int]]:
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model(request: pytest.FixtureRequest, tiny_checkpoints: dict[str, Path]) -> Path:
     return tiny_checkpoints[request.param]
+
+
+@pytest.fixture(scope="module")
+def reference_llama(llama_path: Path) -> list[tuple[int, ...]]:
+    """world_size 1, in-process, no connector, on the Llama checkpoint."""
+    return generate(config(llama_path))[0]
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +264,66 @@ class TestNoPickle:
         assert {wire.Ready, wire.StepDone} <= kinds
         steps = [msgspec.msgpack.decode(b, type=wire.Message) for b in sent]
         assert any(isinstance(s, wire.Step) and s.metadata is not None for s in steps)
+
+
+@attrs.frozen
+class RowsSeen:
+    rows: int
+
+
+@attrs.frozen
+class CountRows:
+    """A user stage, defined at module level so that worker processes can import it."""
+
+    name: ClassVar[str] = "count_rows"
+    requires: ClassVar[tuple[type, ...]] = (ModelOutput,)
+    provides: ClassVar[type] = RowsSeen
+
+    async def run(self, ctx: StepContext) -> RowsSeen:
+        return RowsSeen(len(ctx.get(ModelOutput).req_ids))
+
+
+def with_count_rows(graph: StepGraph) -> StepGraph:
+    return graph.insert_after("forward", CountRows())
+
+
+class TestUserCode:
+    def test_a_custom_stage_and_connector_reach_every_worker(
+        self, llama_path: Path, tmp_path: Path, reference_llama
+    ) -> None:
+        """A module-level graph function and a connector registered under a new name in
+        the engine's process are rebuilt in each worker from their import paths (a
+        worker that could not would fail to start: the name is not a built-in): the
+        stage runs on both ranks, and the step metadata the scheduler half builds
+        reaches them."""
+        from connectors.registry import register_connector, unregister_connector
+        from connectors.testing import RecordingConnector
+
+        RecordingConnector.reset()
+        register_connector(
+            "user-recording", RecordingConnector.Scheduler, RecordingConnector.Worker
+        )
+        log = tmp_path / "steps.jsonl"
+        try:
+            with LLM(
+                config(
+                    llama_path,
+                    executor="multiproc",
+                    world_size=2,
+                    connector="user-recording",
+                    step_log=str(log),
+                ),
+                worker_graph=with_count_rows,
+            ) as llm:
+                tokens = [o.token_ids for o in llm.generate(workload(), PARAMS)]
+        finally:
+            unregister_connector("user-recording")
+        assert tokens == reference_llama
+        records = [msgspec.json.decode(line) for line in log.read_text().splitlines()]
+        ranks = {r["rank"] for r in records if r.get("stage") == "count_rows"}
+        assert ranks == {0, 1}
+        built = [c for c in RecordingConnector.calls if c.method == "build_connector_meta"]
+        assert built and all(c.role == "scheduler" for c in built)
 
 
 class TestConfiguration:
