@@ -87,6 +87,9 @@ class StepLog:
         self._writer: Any = None
         # Called as listener(report, kind, fields) after each record_step (e.g. metrics).
         self.listeners: list[Callable[[StepReport, str, dict[str, Any]], None]] = []
+        # One lazy proxy for the log's lifetime: it resolves the application's structlog
+        # configuration at its first use, not a new proxy (and bind) per record.
+        self._app_log = structlog.get_logger("kvstep")
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
@@ -144,9 +147,8 @@ class StepLog:
                         self._writer.msg(**record)
                     self._file.flush()
         if structlog.is_configured():
-            app_log = structlog.get_logger("kvstep")
             for record in records:
-                app_log.debug(**record)
+                self._app_log.debug(**record)
 
     @staticmethod
     def _records(report: StepReport, kind: str, fields: dict[str, Any]) -> list[dict[str, Any]]:
