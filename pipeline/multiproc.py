@@ -34,34 +34,16 @@ from pipeline import wire
 from pipeline.artifacts import PendingWorkerOutputs, SchedulerOutput, WorkerOutput
 from pipeline.channel import Channel, PeerGone
 from pipeline.config import EngineConfig
-from pipeline.errors import InvalidConfigError, WorkerDiedError, WorkerFailedError
+from pipeline.errors import WorkerDiedError, WorkerFailedError
 from pipeline.logs import get_logger
+from pipeline.remote import rank_device
 from pipeline.steplog import StepLog
 
-__all__ = ["MultiprocExecutor", "rank_device"]
+__all__ = ["MultiprocExecutor"]
 
 _log = get_logger()
 START_TIMEOUT_S = 600.0
 STOP_GRACE_S = 5.0
-
-
-def rank_device(device: str, rank: int) -> str:
-    """The device of ``rank``: the CPU for every rank, or CUDA device ``base + rank``.
-
-    Raises:
-        InvalidConfigError: CUDA asked for but unavailable, or too few devices.
-    """
-    import torch
-
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        return "cpu"
-    base = int(device.partition(":")[2] or 0) if device.startswith("cuda") else 0
-    count = torch.cuda.device_count()
-    if base + rank >= count:
-        raise InvalidConfigError(
-            "device", device, f"rank {rank} needs cuda:{base + rank}, but {count} are visible"
-        )
-    return f"cuda:{base + rank}"
 
 
 @attrs.define(eq=False)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from connectors.registry import get_connector
 from pipeline.config import EngineConfig
+from pipeline.errors import InvalidConfigError
 from pipeline.executor import Executor
 from pipeline.imports import import_path
 from pipeline.steplog import StepLog
 from pipeline.worker_factory import GraphArg, graph_import_path
 
-__all__ = ["connector_import_paths", "launch_executor"]
+__all__ = ["connector_import_paths", "launch_executor", "rank_device"]
 
 
 def connector_import_paths(name: str | None) -> tuple[str, str] | None:
@@ -32,6 +33,25 @@ def connector_import_paths(name: str | None) -> tuple[str, str] | None:
         import_path(spec.scheduler_cls, what=f"connector {name!r} scheduler class"),
         import_path(spec.worker_cls, what=f"connector {name!r} worker class"),
     )
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of ``rank``: the CPU for every rank, or CUDA device ``base + rank``.
+
+    Raises:
+        InvalidConfigError: CUDA asked for but unavailable, or too few devices.
+    """
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    base = int(device.partition(":")[2] or 0) if device.startswith("cuda") else 0
+    count = torch.cuda.device_count()
+    if base + rank >= count:
+        raise InvalidConfigError(
+            "device", device, f"rank {rank} needs cuda:{base + rank}, but {count} are visible"
+        )
+    return f"cuda:{base + rank}"
 
 
 def launch_executor(config: EngineConfig, step_log: StepLog, worker_graph: GraphArg) -> Executor:
