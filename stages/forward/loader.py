@@ -128,10 +128,16 @@ def _few(keys: set[str]) -> str:
 
 
 def _read(
-    fh: Any, name: str, shape: tuple[int, ...], tp: TensorParallel, directory: Path
+    fh: Any,
+    name: str,
+    shape: tuple[int, ...],
+    tp: TensorParallel,
+    directory: Path,
+    *,
+    vocab_split: bool = False,
 ) -> torch.Tensor:
     """Weight ``name`` (this rank's slice when split), after checking its on-disk shape."""
-    dim = split_dim(name) if tp.sharded else None
+    dim = split_dim(name, vocab_split=vocab_split) if tp.sharded else None
     if dim is None:
         tensor: torch.Tensor = fh.get_tensor(name)
         full: tuple[int, ...] = tuple(tensor.shape)
@@ -200,7 +206,14 @@ def load_model(
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as fh:
             for name in names:
-                tensor = _read(fh, name, tuple(params[name].shape), tp, directory)
+                tensor = _read(
+                    fh,
+                    name,
+                    tuple(params[name].shape),
+                    tp,
+                    directory,
+                    vocab_split=model.vocab_parallel,
+                )
                 owner, _, attr = name.rpartition(".")
                 value = tensor.to(device=device, dtype=dtype)
                 setattr(model.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))

@@ -20,7 +20,12 @@ from torch import nn
 from stages.forward.attention import AttentionMetadata
 from stages.forward.config import ModelConfig
 from stages.forward.layers import DecoderLayer, LayerHooks, RMSNorm
-from stages.forward.parallel import UNSHARDED, TensorParallel, check_tp_divisible
+from stages.forward.parallel import (
+    UNSHARDED,
+    TensorParallel,
+    check_tp_divisible,
+    vocab_parallel,
+)
 from stages.forward.rope import RotaryEmbedding
 
 __all__ = ["CausalLM", "DecoderModel"]
@@ -59,8 +64,11 @@ class CausalLM(nn.Module):
     comes from the checkpoint). Not thread-safe: one forward at a time.
 
     With a sharded ``tp`` this is rank ``tp.rank``'s shard: every rank of the group must
-    run :meth:`forward` on the same batch at the same time (each layer all-reduces twice);
-    embeddings, norms and ``lm_head`` are replicated, so every rank gets the full output.
+    run :meth:`forward` and :meth:`compute_logits` on the same batch at the same time
+    (each layer all-reduces twice; the logits are gathered once). Embeddings and norms
+    are replicated; ``lm_head`` is split by vocabulary rows when the size divides the
+    vocabulary (:func:`~stages.forward.parallel.vocab_parallel`; a tied ``lm_head`` uses
+    its rows of the embeddings), and every rank gets the full logits.
 
     Raises:
         InvalidConfigError: ``tp.size`` does not divide the model's heads or MLP width.
@@ -75,9 +83,17 @@ class CausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = DecoderModel(config, tp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.vocab_parallel = vocab_parallel(config, tp)
+        shard = config.vocab_size // tp.size if self.vocab_parallel else config.vocab_size
+        # The rows of a tied lm_head's (full) weight this rank computes, else None.
+        self._vocab_rows: slice | None = None
         if config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             self.lm_head.weight = self.model.embed_tokens.weight
+            if self.vocab_parallel:
+                self._vocab_rows = slice(tp.rank * shard, (tp.rank + 1) * shard)
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, shard, bias=False)
 
     def init_rope(self, max_len: int, device: torch.device) -> None:
         """Create the cos/sin table for positions ``[0, max_len)`` on ``device``."""
@@ -115,5 +131,12 @@ class CausalLM(nn.Module):
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab]`` in float32 for hidden rows ``[N, hidden]``."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        """Logits ``[N, vocab]`` in float32 for hidden rows ``[N, hidden]``.
+
+        Vocab-parallel: a collective (every rank of the group calls it on the same rows).
+        """
+        weight = self.lm_head.weight
+        if self._vocab_rows is not None:
+            weight = weight[self._vocab_rows]
+        logits = F.linear(hidden, weight).float()
+        return self.tp.gather_last(logits) if self.vocab_parallel else logits

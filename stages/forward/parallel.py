@@ -36,6 +36,7 @@ __all__ = [
     "init_process_group",
     "row_parallel_linear",
     "split_dim",
+    "vocab_parallel",
 ]
 
 # HF module names of the split projections (the last component before ``.weight``/``.bias``).
@@ -44,6 +45,11 @@ _ROW_SPLIT = frozenset({"o_proj", "down_proj"})
 
 
 def _no_reduce(tensor: torch.Tensor) -> object:
+    return None
+
+
+def _no_gather(parts: list[torch.Tensor], tensor: torch.Tensor) -> object:
+    parts[0].copy_(tensor)
     return None
 
 
@@ -73,6 +79,9 @@ class TensorParallel:
     all_reduce: Callable[[torch.Tensor], object] = attrs.field(
         default=_no_reduce, eq=False, repr=False, kw_only=True
     )
+    all_gather: Callable[[list[torch.Tensor], torch.Tensor], object] = attrs.field(
+        default=_no_gather, eq=False, repr=False, kw_only=True
+    )
 
     def __attrs_post_init__(self) -> None:
         if not _is_int(self.size) or self.size < 1:
@@ -98,7 +107,12 @@ class TensorParallel:
                 None,
                 "torch.distributed must be initialised first (see init_process_group)",
             )
-        return cls(rank=dist.get_rank(), size=dist.get_world_size(), all_reduce=dist.all_reduce)
+        return cls(
+            rank=dist.get_rank(),
+            size=dist.get_world_size(),
+            all_reduce=dist.all_reduce,
+            all_gather=dist.all_gather,
+        )
 
     @property
     def sharded(self) -> bool:
@@ -112,6 +126,18 @@ class TensorParallel:
         """
         self.all_reduce(x)
         return x
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along its last dimension, in rank order.
+
+        A collective (every rank calls it with the same shape); ``x`` itself when
+        unsharded.
+        """
+        if not self.sharded:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
 
 
 UNSHARDED = TensorParallel()
@@ -177,12 +203,26 @@ def check_tp_divisible(config: ModelConfig, size: int) -> None:
             )
 
 
-def split_dim(name: str) -> int | None:
+def vocab_parallel(config: ModelConfig, tp: TensorParallel) -> bool:
+    """Whether ``lm_head`` is split by vocabulary rows: sharded, and the size divides it.
+
+    Each rank then computes the logits of its share of the vocabulary and the ranks
+    gather them (``lm_head`` is a large share of a decode step's work; computing it whole
+    on every rank would cost each rank as much as the unsharded model does). A
+    vocabulary the size does not divide keeps ``lm_head`` replicated.
+    """
+    return tp.sharded and config.vocab_size % tp.size == 0
+
+
+def split_dim(name: str, *, vocab_split: bool = False) -> int | None:
     """The dimension along which a sharded model splits parameter ``name`` (HF naming).
 
-    0 for the weights and biases of q/k/v/gate/up (column-parallel), 1 for the weights of
-    o_proj/down_proj (row-parallel), ``None`` for replicated ones (their biases included).
+    0 for the weights and biases of q/k/v/gate/up (column-parallel) and, with
+    ``vocab_split``, for an untied ``lm_head.weight``; 1 for the weights of
+    o_proj/down_proj (row-parallel); ``None`` for replicated ones (their biases included).
     """
+    if name == "lm_head.weight":
+        return 0 if vocab_split else None
     owner, _, attr = name.rpartition(".")
     module = owner.rpartition(".")[2]
     if module in _COLUMN_SPLIT:

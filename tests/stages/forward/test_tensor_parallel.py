@@ -169,7 +169,8 @@ class TestShardedLogits:
 
 class TestShardLayout:
     def test_projection_shapes_are_the_shards(self, llama_shard: ModelRunner) -> None:
-        """q/k/v/gate/up hold a slice of their rows, o_proj/down_proj a slice of columns."""
+        """q/k/v/gate/up hold a slice of their rows, o_proj/down_proj a slice of columns,
+        an untied lm_head its share of the vocabulary."""
         attn = llama_shard.model.model.layers[0].self_attn
         mlp = llama_shard.model.model.layers[0].mlp
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
@@ -180,7 +181,8 @@ class TestShardLayout:
         assert mlp.gate_proj.weight.shape == (64, 64)
         assert mlp.down_proj.weight.shape == (64, 64)
         assert isinstance(attn.o_proj, RowParallelLinear)
-        assert llama_shard.model.lm_head.weight.shape == (256, 64)
+        assert llama_shard.model.vocab_parallel
+        assert llama_shard.model.lm_head.weight.shape == (128, 64)
 
     def test_rank_reads_its_own_slice(
         self, llama_shard: ModelRunner, tp_checkpoints: dict[str, Path]
@@ -203,6 +205,7 @@ class TestShardLayout:
             params[prefix + "mlp.down_proj.weight"], full[prefix + "mlp.down_proj.weight"][:, 64:]
         )
         assert torch.equal(params["model.norm.weight"], full["model.norm.weight"])
+        assert torch.equal(params["lm_head.weight"], full["lm_head.weight"][128:])
 
     def test_kv_cache_holds_local_heads(self, llama_shard: ModelRunner) -> None:
         """The shard's KV cache has num_kv_heads / size heads and is sized for them."""

@@ -82,8 +82,16 @@ def _group(tp: Any, size: int) -> tuple[Any, int]:
         return tp, 0
     groups = [dist.new_group(list(range(g, g + size))) for g in range(0, tp.size, size)]
     index = tp.rank // size
-    reduce = functools.partial(dist.all_reduce, group=groups[index])
-    return TensorParallel(tp.rank % size, size, all_reduce=reduce), index
+    group = groups[index]
+    return (
+        TensorParallel(
+            tp.rank % size,
+            size,
+            all_reduce=functools.partial(dist.all_reduce, group=group),
+            all_gather=functools.partial(dist.all_gather, group=group),
+        ),
+        index,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
