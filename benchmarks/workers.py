@@ -347,6 +347,7 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
         path = Path(tmp) / "llama-30m"
         t0 = time.perf_counter()
         params = build_model(path)
+        model_config = json.loads((path / "config.json").read_text())
         t1 = time.perf_counter()
         runs[TP_VARIANTS[0][0]] = _in_subprocess(path, args)
         t2 = time.perf_counter()
@@ -386,6 +387,9 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_tp1_multiproc_vs_inprocess": round(mp1 / tp1, 2),
         "identical_outputs_all_three": all_three,
         "phases_s": {k: round(v, 1) for k, v in phases.items()},
+        "batch_rows": args.prompts,  # a decode step's rows
+        "hidden_size": model_config["hidden_size"],
+        "reductions_per_step": 2 * model_config["num_hidden_layers"],
     }
 
 
@@ -460,6 +464,48 @@ async def measure_round_trip(n: int) -> float:
     return round(statistics.median(samples) / 1000, 1)
 
 
+_ALL_REDUCE = """
+import json, statistics, sys, time
+import torch
+import torch.distributed as dist
+rank, rendezvous, rows, hidden, n = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=rendezvous, rank=int(rank), world_size=2)
+x = torch.randn(rows, hidden)
+for _ in range(20):
+    dist.all_reduce(x)
+samples = []
+for _ in range(n):
+    start = time.perf_counter_ns()
+    dist.all_reduce(x)
+    samples.append(time.perf_counter_ns() - start)
+dist.destroy_process_group()
+if rank == "0":
+    print(json.dumps(statistics.median(samples) / 1000))
+"""
+
+
+def measure_all_reduce(rows: int, hidden: int, n: int = 100) -> float:
+    """Median µs of one gloo all_reduce of a float32 ``[rows, hidden]`` between two
+    processes: what each of a tensor-parallel layer's two reductions costs here."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rendezvous = f"file://{tmp}/rendezvous"
+        argv = [rendezvous, str(rows), str(hidden), str(n)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _ALL_REDUCE, str(rank), *argv],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+        out = [proc.communicate(timeout=120)[0] for proc in procs]
+    return round(float(json.loads(out[0])), 1)
+
+
 def print_results(result: dict[str, Any]) -> None:
     steps = result["steps"]
     rows = []
@@ -506,6 +552,11 @@ def print_results(result: dict[str, Any]) -> None:
             )
             for label, r in tp["runs"].items()
         ],
+    )
+    print(
+        f"gloo all_reduce between 2 processes, float32 [{tp['batch_rows']}, "
+        f"{tp['hidden_size']}] (one decode step's reduction; a step makes "
+        f"{tp['reductions_per_step']}): {tp['all_reduce_us']:.0f} µs median"
     )
     print(
         f"TP2/TP1 tokens/s: {tp['ratio_tp2_vs_tp1_inprocess']:.2f}x vs in-process, "
@@ -560,6 +611,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps["round_trip_us"] = anyio.run(measure_round_trip, args.steps)
     steps_s = time.perf_counter() - wall
     tp = measure_tp(args)
+    tp["all_reduce_us"] = measure_all_reduce(tp["batch_rows"], tp["hidden_size"])
     result = {
         "benchmark": "workers",
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "child", "model_path")},
