@@ -127,7 +127,11 @@ class MultiprocExecutor:
         """
         devices = [rank_device(config.device, r) for r in range(config.world_size)]
         backend = "gloo" if devices[0] == "cpu" else "nccl"
-        workdir = tempfile.mkdtemp(prefix="kvstep-workers-")
+        shm = "/dev/shm"  # tmpfs: the rendezvous file and the all-reduce mapping
+        workdir = tempfile.mkdtemp(
+            prefix="kvstep-workers-", dir=shm if os.access(shm, os.W_OK) else None
+        )
+        allreduce = f"{workdir}/allreduce" if backend == "gloo" and config.world_size > 1 else None
         plain = attrs.asdict(attrs.evolve(config, step_log=None), recurse=False)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -164,6 +168,7 @@ class MultiprocExecutor:
                     connector_classes=connector_classes,
                     worker_graph=worker_graph,
                     log_level=log_level,
+                    shm_allreduce=allreduce,
                 )
                 ranks[-1].channel.send_sync(init)
             ready = [cls._await_ready(r) for r in ranks]

@@ -55,6 +55,8 @@ class Init(msgspec.Struct, frozen=True, tag="init"):
         worker_graph: Import path of a function from the default worker graph to a new
             one, or ``None``.
         log_level: Level of the worker's own logging.
+        shm_allreduce: A new file the ranks map to sum activations through shared memory
+            (CPU ranks on one host), or ``None`` to reduce with ``dist_backend`` only.
     """
 
     rank: int
@@ -66,6 +68,7 @@ class Init(msgspec.Struct, frozen=True, tag="init"):
     connector_classes: tuple[str, str] | None = None
     worker_graph: str | None = None
     log_level: str = "info"
+    shm_allreduce: str | None = None
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready"):

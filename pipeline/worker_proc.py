@@ -36,6 +36,7 @@ __all__ = ["Records", "configure_logging", "main", "run_step", "start"]
 _log = get_logger()
 INIT_TIMEOUT_S = 120.0
 DIST_MIN_TIMEOUT_S = 30.0
+SHM_SLOT_MAX_BYTES = 64 << 20
 
 
 def configure_logging(rank: int, level: str) -> None:
@@ -99,6 +100,32 @@ class Records:
         return items
 
 
+def _shared_memory_reduce(init: wire.Init, config: EngineConfig, tp: Any) -> Any:
+    """``tp`` summing through shared memory (gloo beyond a slot, or off x86-64)."""
+    import attrs
+
+    from stages.forward import shm_allreduce
+    from stages.forward.builtin import resolve_model_path
+    from stages.forward.config import load_model_config
+    from stages.forward.runner_load import resolve_device, resolve_dtype
+
+    if not shm_allreduce.available() or init.shm_allreduce is None:
+        return tp
+    model = load_model_config(resolve_model_path(config.model))
+    elem = resolve_dtype(config.dtype, resolve_device(init.device)).itemsize
+    slot = config.max_num_batched_tokens * model.hidden_size * elem
+    slot = min(-(-slot // 64) * 64, SHM_SLOT_MAX_BYTES)
+    reduce = shm_allreduce.SharedMemoryAllReduce(
+        init.shm_allreduce,
+        rank=init.rank,
+        size=init.world_size,
+        slot_bytes=slot,
+        fallback=tp.all_reduce,
+        timeout_s=max(config.fan_in_timeout_s, DIST_MIN_TIMEOUT_S),
+    )
+    return attrs.evolve(tp, all_reduce=reduce)
+
+
 def start(init: wire.Init, records: Records) -> Worker:
     """Join the group, load this rank's shard, build its worker. Blocks for the load."""
     import torch
@@ -118,6 +145,8 @@ def start(init: wire.Init, records: Records) -> Worker:
         # so that a short fan-in deadline cannot fail a slow start.
         timeout_s=max(config.fan_in_timeout_s, DIST_MIN_TIMEOUT_S),
     )
+    if init.shm_allreduce is not None and init.device == "cpu":
+        tp = _shared_memory_reduce(init, config, tp)
     if config.connector is not None and init.connector_classes is not None:
         _register_connector(config.connector, init.connector_classes)
     runner = ModelRunner.load(
