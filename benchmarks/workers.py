@@ -468,42 +468,51 @@ _ALL_REDUCE = """
 import json, statistics, sys, time
 import torch
 import torch.distributed as dist
-rank, rendezvous, rows, hidden, n = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+from stages.forward.shm_allreduce import SharedMemoryAllReduce
+rank, workdir, rows, hidden, n = int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:6])
 torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=rendezvous, rank=int(rank), world_size=2)
+dist.init_process_group("gloo", init_method=f"file://{workdir}/rdv", rank=rank, world_size=2)
+shm = SharedMemoryAllReduce(f"{workdir}/shm", rank=rank, size=2, slot_bytes=rows * hidden * 4,
+                            fallback=dist.all_reduce, timeout_s=60)
 x = torch.randn(rows, hidden)
-for _ in range(20):
-    dist.all_reduce(x)
-samples = []
-for _ in range(n):
-    start = time.perf_counter_ns()
-    dist.all_reduce(x)
-    samples.append(time.perf_counter_ns() - start)
+result = {}
+for name, reduce in (("gloo", dist.all_reduce), ("shared_memory", shm)):
+    for _ in range(20):
+        reduce(x)
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter_ns()
+        reduce(x)
+        samples.append(time.perf_counter_ns() - start)
+    result[name] = round(statistics.median(samples) / 1000, 1)
 dist.destroy_process_group()
-if rank == "0":
-    print(json.dumps(statistics.median(samples) / 1000))
+if rank == 0:
+    print(json.dumps(result))
 """
 
 
-def measure_all_reduce(rows: int, hidden: int, n: int = 100) -> float:
-    """Median µs of one gloo all_reduce of a float32 ``[rows, hidden]`` between two
-    processes: what each of a tensor-parallel layer's two reductions costs here."""
+def measure_all_reduce(rows: int, hidden: int, n: int = 100) -> dict[str, float]:
+    """Median µs of one all-reduce of a float32 ``[rows, hidden]`` between two processes,
+    with gloo and with the shared-memory reduce that ``multiproc`` CPU ranks use: what
+    each of a tensor-parallel layer's two reductions costs here."""
     import subprocess
     import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
-        rendezvous = f"file://{tmp}/rendezvous"
-        argv = [rendezvous, str(rows), str(hidden), str(n)]
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(dir=shm) as tmp:
+        argv = [tmp, str(rows), str(hidden), str(n)]
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", _ALL_REDUCE, str(rank), *argv],
                 stdout=subprocess.PIPE,
                 text=True,
+                env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)),
             )
             for rank in (0, 1)
         ]
         out = [proc.communicate(timeout=120)[0] for proc in procs]
-    return round(float(json.loads(out[0])), 1)
+    result: dict[str, float] = json.loads(out[0])
+    return result
 
 
 def print_results(result: dict[str, Any]) -> None:
@@ -553,10 +562,11 @@ def print_results(result: dict[str, Any]) -> None:
             for label, r in tp["runs"].items()
         ],
     )
+    ar = tp["all_reduce_us"]
     print(
-        f"gloo all_reduce between 2 processes, float32 [{tp['batch_rows']}, "
-        f"{tp['hidden_size']}] (one decode step's reduction; a step makes "
-        f"{tp['reductions_per_step']}): {tp['all_reduce_us']:.0f} µs median"
+        f"all-reduce between 2 processes, float32 [{tp['batch_rows']}, {tp['hidden_size']}] "
+        f"(one decode step's reduction; a step makes {tp['reductions_per_step']}): "
+        f"gloo {ar['gloo']:.0f} µs, shared memory {ar['shared_memory']:.0f} µs (median)"
     )
     print(
         f"TP2/TP1 tokens/s: {tp['ratio_tp2_vs_tp1_inprocess']:.2f}x vs in-process, "
