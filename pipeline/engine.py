@@ -96,9 +96,10 @@ class EngineCore:
             else:
                 self.model_config = load_model_config(resolve_model_path(config.model))
                 check_tp_divisible(self.model_config, config.world_size)
-                self.executor = launch_executor(config, self.step_log, worker_graph)
-                self.fingerprint = self.executor.fingerprint  # type: ignore[attr-defined]
-                num_blocks = self.executor.num_blocks  # type: ignore[attr-defined]
+                remote = launch_executor(config, self.step_log, worker_graph)
+                self.executor = remote
+                self.fingerprint = remote.fingerprint
+                num_blocks = remote.num_blocks
             self.tokenizer = load_tokenizer(config.model)
             self.connector: KVConnectorScheduler | None = None
             if config.connector is not None:

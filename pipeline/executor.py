@@ -15,11 +15,12 @@ from typing import Protocol
 
 import anyio
 
+from connectors.base import ModelFingerprint
 from pipeline.artifacts import PendingWorkerOutputs, SchedulerOutput, WorkerOutput
 from pipeline.errors import WorkerDiedError, WorkerFailedError
 from pipeline.worker import Worker
 
-__all__ = ["Executor", "InProcessExecutor"]
+__all__ = ["Executor", "InProcessExecutor", "RemoteExecutor"]
 
 
 class Executor(Protocol):
@@ -45,6 +46,20 @@ class Executor(Protocol):
     def bound_metadata(self) -> int: ...
 
     async def shutdown(self) -> None: ...
+
+
+class RemoteExecutor(Executor, Protocol):
+    """An executor whose ranks load the model themselves (worker processes, Ray actors).
+
+    ``fingerprint`` is rank 0's (the scheduler-side connector's keys) and ``num_blocks``
+    the smallest KV cache among the ranks, both from the ranks' ``Ready``. ``kill``
+    stops every rank at once (failure paths; no graceful shutdown).
+    """
+
+    fingerprint: ModelFingerprint
+    num_blocks: int
+
+    def kill(self) -> None: ...
 
 
 async def _rank_step(worker: Worker, scheduler_output: SchedulerOutput) -> WorkerOutput:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from connectors.registry import get_connector
 from pipeline.config import EngineConfig
 from pipeline.errors import InvalidConfigError
-from pipeline.executor import Executor
+from pipeline.executor import RemoteExecutor
 from pipeline.imports import import_path
 from pipeline.steplog import StepLog
 from pipeline.worker_factory import GraphArg, graph_import_path
@@ -54,7 +54,9 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
-def launch_executor(config: EngineConfig, step_log: StepLog, worker_graph: GraphArg) -> Executor:
+def launch_executor(
+    config: EngineConfig, step_log: StepLog, worker_graph: GraphArg
+) -> RemoteExecutor:
     """Start ``config.executor``'s ranks (``multiproc`` or ``ray``); blocks until ready.
 
     Raises:
