@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import Any
@@ -249,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.worker_proc")
     parser.add_argument("--fd", type=int, required=True, help="socket to the engine")
     args = parser.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group: the engine owns this
+    # worker's lifetime (Shutdown, or its end of the socket closing), not the terminal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = Channel(socket.socket(fileno=args.fd), peer="engine")
     message = channel.recv_sync(timeout_s=INIT_TIMEOUT_S)
     if not isinstance(message, wire.Init):
