@@ -4,6 +4,7 @@ shared_storage connector; a killed actor ends the engine with ``EngineDeadError`
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from test_multiproc_executor import config, generate, workload  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    """A local two-CPU Ray, started once for the module."""
+    """A local two-CPU Ray, started once for the module (no usage reporting)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
