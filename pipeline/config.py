@@ -72,7 +72,8 @@ class EngineConfig:
             model), ``"multiproc"`` (a worker process per rank) or ``"ray"`` (a Ray actor
             per rank); the last two split the model tensor-parallel across the ranks.
         world_size: Number of worker ranks; with ``multiproc`` / ``ray`` it must divide
-            the model's attention heads, KV heads and MLP width.
+            the model's attention heads and MLP width, and divide its KV heads or be a
+            multiple of them (each KV head is then held by several ranks).
         step_log: Path of a JSON-lines step log, or ``None``.
         load_failure_policy: ``"recompute"`` or ``"fail"`` for blocks that fail to load.
         fan_in_timeout_s: Deadline for all ranks' outputs of one step.

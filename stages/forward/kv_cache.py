@@ -33,7 +33,7 @@ def local_kv_heads(config: ModelConfig, tp_size: int = 1) -> int:
     """
     if tp_size != 1:
         check_tp_divisible(config, tp_size)
-    return config.num_key_value_heads // tp_size
+    return max(1, config.num_key_value_heads // tp_size)  # one replicated head past kv
 
 
 def kv_cache_block_bytes(

@@ -63,7 +63,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_attention_heads // tp.size
-        self.num_kv_heads = config.num_key_value_heads // tp.size
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp.size)  # >= 1: replicated
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         hidden, hd = config.hidden_size, config.head_dim

@@ -24,7 +24,7 @@ from torch import nn
 from pipeline.errors import ModelLoadError
 from stages.forward.config import ModelConfig, load_model_config
 from stages.forward.model import CausalLM
-from stages.forward.parallel import UNSHARDED, TensorParallel, split_dim
+from stages.forward.parallel import UNSHARDED, TensorParallel, shard_slice
 
 __all__ = ["LoadedModel", "checkpoint_files", "load_model", "weights_identity"]
 
@@ -134,26 +134,28 @@ def _read(
     tp: TensorParallel,
     directory: Path,
     *,
+    config: ModelConfig,
     vocab_split: bool = False,
 ) -> torch.Tensor:
     """Weight ``name`` (this rank's slice when split), after checking its on-disk shape."""
-    dim = split_dim(name, vocab_split=vocab_split) if tp.sharded else None
-    if dim is None:
+    where = shard_slice(name, config, tp, vocab_split=vocab_split)
+    if where is None:
         tensor: torch.Tensor = fh.get_tensor(name)
         full: tuple[int, ...] = tuple(tensor.shape)
-        needed = shape
-    else:
-        part = fh.get_slice(name)
-        full = tuple(part.get_shape())
-        needed = (*shape[:dim], shape[dim] * tp.size, *shape[dim + 1 :])
-    if full != needed:
+        if full != shape:
+            raise ModelLoadError(
+                directory, f"weight {name!r} has shape {full}, the config needs {shape}"
+            )
+        return tensor
+    dim, start, length, whole = where
+    part = fh.get_slice(name)
+    full = tuple(part.get_shape())
+    needed = (*shape[:dim], whole, *shape[dim + 1 :])
+    if full != needed or length != shape[dim]:
         raise ModelLoadError(
             directory, f"weight {name!r} has shape {full}, the config needs {needed}"
         )
-    if dim is None:
-        return tensor
-    start = tp.rank * shape[dim]
-    index = (slice(None),) * dim + (slice(start, start + shape[dim]),)
+    index = (slice(None),) * dim + (slice(start, start + length),)
     sliced: torch.Tensor = part[index]
     return sliced
 
@@ -212,6 +214,7 @@ def load_model(
                     tuple(params[name].shape),
                     tp,
                     directory,
+                    config=config,
                     vocab_split=model.vocab_parallel,
                 )
                 owner, _, attr = name.rpartition(".")

@@ -34,7 +34,9 @@ __all__ = [
     "check_tp_divisible",
     "destroy_process_group",
     "init_process_group",
+    "kv_head_range",
     "row_parallel_linear",
+    "shard_slice",
     "split_dim",
     "vocab_parallel",
 ]
@@ -188,19 +190,72 @@ def destroy_process_group() -> None:
 def check_tp_divisible(config: ModelConfig, size: int) -> None:
     """Refuse a group size that does not split the model's heads and MLP evenly.
 
+    ``size`` must divide ``num_attention_heads`` and ``intermediate_size``, and either
+    divide ``num_key_value_heads`` or be a multiple of it (then each KV head is
+    replicated on ``size // num_key_value_heads`` ranks, as grouped-query attention
+    allows).
+
     Raises:
-        InvalidConfigError: ``size`` is not a positive integer, or does not divide
-            ``num_attention_heads``, ``num_key_value_heads`` or ``intermediate_size``;
-            the error names ``world_size``, its value and the model field with its value.
+        InvalidConfigError: ``size`` is not a positive integer, or does not split one of
+            those; the error names ``world_size``, its value and the model field with
+            its value.
     """
     if not _is_int(size) or size < 1:
         raise InvalidConfigError("world_size", size, "must be a positive integer")
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for field in ("num_attention_heads", "intermediate_size"):
         value = getattr(config, field)
         if value % size:
             raise InvalidConfigError(
                 "world_size", size, f"must divide {field}={value} of the model"
             )
+    kv = config.num_key_value_heads
+    if kv % size and size % kv:
+        raise InvalidConfigError(
+            "world_size",
+            size,
+            f"must divide num_key_value_heads={kv} of the model, or be a multiple of it",
+        )
+
+
+def kv_head_range(config: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
+    """The model's KV heads ``[start, end)`` rank ``tp.rank`` holds.
+
+    Split evenly when the size divides them; when the group is larger, each rank holds
+    the one KV head its query heads attend to (shared with ``size // kv`` ranks).
+    """
+    kv = config.num_key_value_heads
+    if kv >= tp.size:
+        local = kv // tp.size
+        return tp.rank * local, (tp.rank + 1) * local
+    head = tp.rank * kv // tp.size
+    return head, head + 1
+
+
+def shard_slice(
+    name: str, config: ModelConfig, tp: TensorParallel, *, vocab_split: bool = False
+) -> tuple[int, int, int, int] | None:
+    """Where rank ``tp.rank``'s part of weight ``name`` lies: ``(dim, start, length,
+    full)`` along its split dimension of ``full`` entries, or ``None`` when replicated."""
+    if not tp.sharded:
+        return None
+    dim = split_dim(name, vocab_split=vocab_split)
+    if dim is None:
+        return None
+    module = name.rpartition(".")[0].rpartition(".")[2]
+    if module in ("k_proj", "v_proj"):
+        start, end = kv_head_range(config, tp)
+        full_kv = config.num_key_value_heads * config.head_dim
+        return dim, start * config.head_dim, (end - start) * config.head_dim, full_kv
+    full = {
+        "q_proj": config.num_attention_heads * config.head_dim,
+        "o_proj": config.num_attention_heads * config.head_dim,
+        "gate_proj": config.intermediate_size,
+        "up_proj": config.intermediate_size,
+        "down_proj": config.intermediate_size,
+        "lm_head": config.vocab_size,
+    }[module]
+    length = full // tp.size
+    return dim, tp.rank * length, length, full
 
 
 def vocab_parallel(config: ModelConfig, tp: TensorParallel) -> bool:

@@ -94,6 +94,12 @@ class TestTensorParallelOutputs:
         tokens, _ = generate(config(model, executor="multiproc", world_size=2))
         assert tokens == reference
 
+    @pytest.mark.timeout(180)
+    def test_more_ranks_than_kv_heads(self, model: Path, reference) -> None:
+        """Four ranks over two KV heads (each held by two ranks) give the same tokens."""
+        tokens, _ = generate(config(model, executor="multiproc", world_size=4))
+        assert tokens == reference
+
     def test_shared_storage_saves_then_loads_shards(
         self, model: Path, reference, tmp_path: Path
     ) -> None:

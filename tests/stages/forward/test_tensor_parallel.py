@@ -25,12 +25,19 @@ from stages.forward import (
     destroy_process_group,
     kv_cache_block_bytes,
 )
-from stages.forward.parallel import RowParallelLinear
+from stages.forward.parallel import RowParallelLinear, kv_head_range
 
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("tp_rank_worker.py")
 # (checkpoint, tp size) pairs checked against the unsharded model.
-CASES = [("llama_gqa", 2), ("qwen2", 2), ("llama_bias", 2), ("llama_bias", 4)]
+# llama_gqa at 4 ranks: more ranks than its 2 KV heads, each KV head held by 2 ranks.
+CASES = [
+    ("llama_gqa", 2),
+    ("llama_gqa", 4),
+    ("qwen2", 2),
+    ("llama_bias", 2),
+    ("llama_bias", 4),
+]
 
 
 @pytest.fixture(scope="module")
@@ -277,9 +284,9 @@ class TestRunnerChecks:
     def test_indivisible_world_size_is_refused_before_loading(
         self, tp_checkpoints: dict[str, Path]
     ) -> None:
-        """Four ranks cannot split two KV heads."""
-        with pytest.raises(InvalidConfigError, match="num_key_value_heads=2"):
-            _load(tp_checkpoints["llama_gqa"], rank=0, world_size=4, tp=TensorParallel(0, 4))
+        """Three ranks cannot split four query heads."""
+        with pytest.raises(InvalidConfigError, match="num_attention_heads=4"):
+            _load(tp_checkpoints["llama_gqa"], rank=0, world_size=3, tp=TensorParallel(0, 3))
 
 
 def _config(heads: int, kv_heads: int, inter: int) -> ModelConfig:
@@ -300,7 +307,7 @@ class TestCheckDivisible:
         ("heads", "kv_heads", "inter", "size", "field"),
         [
             (6, 2, 48, 4, "num_attention_heads=6"),
-            (4, 2, 32, 4, "num_key_value_heads=2"),
+            (12, 4, 48, 6, "num_key_value_heads=4"),
             (4, 4, 30, 4, "intermediate_size=30"),
         ],
     )
@@ -312,9 +319,17 @@ class TestCheckDivisible:
             check_tp_divisible(_config(heads, kv_heads, inter), size)
 
     def test_divisible_sizes_pass(self) -> None:
-        """Sizes that split heads, KV heads and MLP width evenly are accepted."""
-        for size in (1, 2, 4):
+        """Sizes that split heads, KV heads and MLP width evenly are accepted, and so are
+        multiples of the KV head count (each KV head is then replicated)."""
+        for size in (1, 2, 4, 8):
             check_tp_divisible(_config(8, 4, 64), size)
+
+    def test_ranks_past_the_kv_heads_share_them(self) -> None:
+        """With 8 ranks and 2 KV heads, ranks 0-3 hold KV head 0 and ranks 4-7 head 1:
+        the head their query heads attend to."""
+        config = _config(8, 2, 64)
+        heads = [kv_head_range(config, TensorParallel(r, 8)) for r in range(8)]
+        assert heads == [(0, 1)] * 4 + [(1, 2)] * 4
 
     def test_size_must_be_positive(self) -> None:
         """A size below one is refused."""
