@@ -20,7 +20,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -36,7 +35,7 @@ from pipeline.channel import Channel, PeerGone
 from pipeline.config import EngineConfig
 from pipeline.errors import WorkerDiedError, WorkerFailedError
 from pipeline.logs import get_logger
-from pipeline.remote import rank_device
+from pipeline.remote import plan_workdir, rank_device
 from pipeline.steplog import StepLog
 
 __all__ = ["MultiprocExecutor"]
@@ -127,11 +126,7 @@ class MultiprocExecutor:
         """
         devices = [rank_device(config.device, r) for r in range(config.world_size)]
         backend = "gloo" if devices[0] == "cpu" else "nccl"
-        shm = "/dev/shm"  # tmpfs: the rendezvous file and the all-reduce mapping
-        workdir = tempfile.mkdtemp(
-            prefix="kvstep-workers-", dir=shm if os.access(shm, os.W_OK) else None
-        )
-        allreduce = f"{workdir}/allreduce" if backend == "gloo" and config.world_size > 1 else None
+        workdir, allreduce, slot = plan_workdir(config, backend)
         plain = attrs.asdict(attrs.evolve(config, step_log=None), recurse=False)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -169,6 +164,7 @@ class MultiprocExecutor:
                     worker_graph=worker_graph,
                     log_level=log_level,
                     shm_allreduce=allreduce,
+                    shm_slot_bytes=slot,
                 )
                 ranks[-1].channel.send_sync(init)
             ready = [cls._await_ready(r) for r in ranks]

@@ -7,6 +7,9 @@ registered in the engine's process is registered in the workers too).
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 from connectors.registry import get_connector
 from pipeline.config import EngineConfig
 from pipeline.errors import InvalidConfigError
@@ -14,8 +17,9 @@ from pipeline.executor import RemoteExecutor
 from pipeline.imports import import_path
 from pipeline.steplog import StepLog
 from pipeline.worker_factory import GraphArg, graph_import_path
+from stages.forward.shm_allreduce import available, region_bytes, slot_bytes
 
-__all__ = ["connector_import_paths", "launch_executor", "rank_device"]
+__all__ = ["connector_import_paths", "launch_executor", "plan_workdir", "rank_device"]
 
 
 def connector_import_paths(name: str | None) -> tuple[str, str] | None:
@@ -77,3 +81,47 @@ def launch_executor(
     return MultiprocExecutor.launch(
         config, step_log=step_log, worker_graph=graph_path, connector_classes=classes
     )
+
+
+def _shm_slot_bytes(config: EngineConfig) -> int:
+    """Slot size of the shared-memory all-reduce (0: not offered on this machine)."""
+    from stages.forward.builtin import resolve_model_path
+    from stages.forward.config import load_model_config
+    from stages.forward.runner_load import resolve_dtype
+
+    if not available():
+        return 0
+    import torch
+
+    model = load_model_config(resolve_model_path(config.model))
+    elem = resolve_dtype(config.dtype, torch.device("cpu")).itemsize
+    return slot_bytes(config.max_num_batched_tokens, model.hidden_size, elem)
+
+
+def _workdir(shared_bytes: int) -> tuple[str, str | None]:
+    """A private directory for the rendezvous and the all-reduce file, and that file.
+
+    On tmpfs (``/dev/shm``) when it has room for ``shared_bytes`` with a margin: a
+    mapping past a full tmpfs would kill the workers with SIGBUS. Otherwise the default
+    temporary directory; the shared file is then offered only if that has room.
+    """
+    shm = "/dev/shm"
+    for where in (shm if os.access(shm, os.W_OK) else None, None):
+        base = where or tempfile.gettempdir()
+        free = os.statvfs(base).f_bavail * os.statvfs(base).f_frsize
+        if shared_bytes and free >= 2 * shared_bytes:
+            path = tempfile.mkdtemp(prefix="kvstep-workers-", dir=where)
+            return path, f"{path}/allreduce"
+    return tempfile.mkdtemp(prefix="kvstep-workers-"), None
+
+
+def plan_workdir(config: EngineConfig, backend: str) -> tuple[str, str | None, int]:
+    """The worker processes' private directory, their shared-memory all-reduce file (or
+    ``None``: reduce with ``backend`` alone) and its slot size in bytes (0 without one).
+
+    The file is offered to CPU (gloo) groups of more than one rank on x86-64, sized once
+    here so that every rank maps the same layout.
+    """
+    slot = _shm_slot_bytes(config) if backend == "gloo" and config.world_size > 1 else 0
+    workdir, path = _workdir(region_bytes(config.world_size, slot) if slot else 0)
+    return workdir, path, slot if path is not None else 0

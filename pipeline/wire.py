@@ -57,6 +57,8 @@ class Init(msgspec.Struct, frozen=True, tag="init"):
         log_level: Level of the worker's own logging.
         shm_allreduce: A new file the ranks map to sum activations through shared memory
             (CPU ranks on one host), or ``None`` to reduce with ``dist_backend`` only.
+        shm_slot_bytes: The size of each rank's slot in that file (the engine decided it,
+            and that the file fits, once for every rank).
     """
 
     rank: int
@@ -69,6 +71,7 @@ class Init(msgspec.Struct, frozen=True, tag="init"):
     worker_graph: str | None = None
     log_level: str = "info"
     shm_allreduce: str | None = None
+    shm_slot_bytes: int = 0
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready"):

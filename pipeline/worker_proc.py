@@ -37,7 +37,6 @@ __all__ = ["Records", "configure_logging", "main", "run_step", "start"]
 _log = get_logger()
 INIT_TIMEOUT_S = 120.0
 DIST_MIN_TIMEOUT_S = 30.0
-SHM_SLOT_MAX_BYTES = 64 << 20
 
 
 def configure_logging(rank: int, level: str) -> None:
@@ -102,25 +101,18 @@ class Records:
 
 
 def _shared_memory_reduce(init: wire.Init, config: EngineConfig, tp: Any) -> Any:
-    """``tp`` summing through shared memory (gloo beyond a slot, or off x86-64)."""
+    """``tp`` summing through the shared file the engine planned (gloo beyond a slot)."""
     import attrs
 
-    from stages.forward import shm_allreduce
-    from stages.forward.builtin import resolve_model_path
-    from stages.forward.config import load_model_config
-    from stages.forward.runner_load import resolve_device, resolve_dtype
+    from stages.forward.shm_allreduce import SharedMemoryAllReduce
 
-    if not shm_allreduce.available() or init.shm_allreduce is None:
+    if init.shm_allreduce is None or init.shm_slot_bytes <= 0:
         return tp
-    model = load_model_config(resolve_model_path(config.model))
-    elem = resolve_dtype(config.dtype, resolve_device(init.device)).itemsize
-    slot = config.max_num_batched_tokens * model.hidden_size * elem
-    slot = min(-(-slot // 64) * 64, SHM_SLOT_MAX_BYTES)
-    reduce = shm_allreduce.SharedMemoryAllReduce(
+    reduce = SharedMemoryAllReduce(
         init.shm_allreduce,
         rank=init.rank,
         size=init.world_size,
-        slot_bytes=slot,
+        slot_bytes=init.shm_slot_bytes,
         fallback=tp.all_reduce,
         timeout_s=max(config.fan_in_timeout_s, DIST_MIN_TIMEOUT_S),
     )

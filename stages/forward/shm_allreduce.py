@@ -28,9 +28,22 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SharedMemoryAllReduce", "available"]
+__all__ = ["SharedMemoryAllReduce", "available", "region_bytes", "slot_bytes"]
 
 _SPIN_S = 50e-6  # busy-wait this long before yielding the core on each poll
+SLOT_MAX_BYTES = 64 << 20
+
+
+def slot_bytes(max_tokens: int, hidden_size: int, element_size: int) -> int:
+    """A slot for a step's ``[max_tokens, hidden_size]`` activations, 64-byte aligned and
+    at most ``SLOT_MAX_BYTES`` (larger reductions fall back)."""
+    raw = max_tokens * hidden_size * element_size
+    return min(-(-raw // 64) * 64, SLOT_MAX_BYTES)
+
+
+def region_bytes(size: int, slot: int) -> int:
+    """Bytes of the shared file for ``size`` ranks with ``slot``-byte slots."""
+    return 2 * size * 8 + 2 * size * slot
 
 
 def available() -> bool:
@@ -67,8 +80,7 @@ class SharedMemoryAllReduce:
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
         self.fallback, self.timeout_s = fallback, timeout_s
         header = 2 * size * 8  # arrived[size], finished[size]: int64
-        data = 2 * size * slot_bytes
-        nbytes = header + data
+        nbytes = region_bytes(size, slot_bytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < nbytes:

@@ -100,6 +100,30 @@ class TestTensorParallelOutputs:
         tokens, _ = generate(config(model, executor="multiproc", world_size=4))
         assert tokens == reference
 
+    def test_gloo_alone_when_no_filesystem_has_room(
+        self, model: Path, reference, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Without room for the shared-memory all-reduce file (a full /dev/shm would
+        kill the workers with SIGBUS), the ranks reduce with gloo: same tokens."""
+        import os as os_module
+
+        from pipeline import remote
+
+        real = os_module.statvfs
+
+        class Full:
+            def __init__(self, path: str) -> None:
+                stat = real(path)
+                self.f_frsize, self.f_bavail = stat.f_frsize, 0
+
+        monkeypatch.setattr(remote.os, "statvfs", Full)
+        cfg = config(model, executor="multiproc", world_size=2)
+        workdir, path, slot = remote.plan_workdir(cfg, "gloo")
+        os_module.rmdir(workdir)
+        assert (path, slot) == (None, 0)
+        tokens, _ = generate(cfg)
+        assert tokens == reference
+
     def test_shared_storage_saves_then_loads_shards(
         self, model: Path, reference, tmp_path: Path
     ) -> None:
