@@ -41,6 +41,8 @@ import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _noop import NoopStage
+
 from pipeline.artifacts import (
     LoadStarted,
     MetadataBound,
@@ -61,21 +63,6 @@ from stages.schedule_stage import ExecuteStage
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "step_overhead.json"
 ARTIFACTS = tuple(type(f"A{i}", (), {"__slots__": ()}) for i in range(10))
-
-
-@attrs.frozen
-class NoopStage:
-    """Reads its inputs from the context and returns a preallocated artifact."""
-
-    name: str
-    requires: tuple[type, ...]
-    provides: type
-    out: object
-
-    async def run(self, ctx: StepContext) -> Any:
-        for t in self.requires:
-            ctx.get(t)
-        return self.out
 
 
 @attrs.frozen

@@ -69,6 +69,7 @@ import anyio
 import anyio.to_thread
 import attrs
 import torch
+from _noop import NoopStage
 
 from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.artifacts import (
@@ -95,21 +96,6 @@ TP_VARIANTS = (("TP1 inprocess", "inprocess", 1), ("TP1 multiproc", "multiproc",
 
 
 # ------------------------------------------------------------------ no-op worker graph
-
-
-@attrs.frozen
-class NoopStage:
-    """Reads its inputs from the context and returns a preallocated artifact."""
-
-    name: str
-    requires: tuple[type, ...]
-    provides: type
-    out: object
-
-    async def run(self, ctx: StepContext) -> Any:
-        for t in self.requires:
-            ctx.get(t)
-        return self.out
 
 
 @attrs.frozen

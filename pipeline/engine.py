@@ -27,7 +27,13 @@ from pipeline.request import Request, RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.tokenizer import load_tokenizer
 from pipeline.worker import Worker
-from pipeline.worker_factory import GraphArg, apply_graph, build_worker, connector_context
+from pipeline.worker_factory import (
+    GraphArg,
+    apply_graph,
+    build_worker,
+    connector_context,
+    runner_options,
+)
 from stages.fan_in import FanInAggregator
 from stages.forward.builtin import resolve_model_path
 from stages.forward.config import load_model_config
@@ -145,20 +151,11 @@ class EngineCore:
 
     @staticmethod
     def _load_runners(config: EngineConfig) -> list[ModelRunner]:
-        options = dict(
-            dtype=config.dtype,
-            device=config.device,
-            block_size=config.block_size,
-            num_blocks=config.num_gpu_blocks,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            seed=config.seed,
-            world_size=config.world_size,
-        )
-        first = ModelRunner.load(config.model, rank=0, **options)  # type: ignore[arg-type]
+        options = runner_options(config)
+        options["device"] = config.device
+        first = ModelRunner.load(config.model, rank=0, **options)
         rest = [
-            ModelRunner.load(config.model, rank=rank, shared_model=first, **options)  # type: ignore[arg-type]
+            ModelRunner.load(config.model, rank=rank, shared_model=first, **options)
             for rank in range(1, config.world_size)
         ]
         return [first, *rest]
@@ -276,7 +273,9 @@ class EngineCore:
         return result
 
     def _raise_if_dead(self) -> None:
-        failure = self.executor.check_alive()
+        # The executor's recorded failure only: has_work() polls the workers (the loop
+        # calls it before every step), and a step notices a death through its replies.
+        failure = self.executor.failure
         if failure is not None:
             raise EngineDeadError(
                 f"worker rank {failure.rank} died: {failure.reason}; "

@@ -35,7 +35,13 @@ from pipeline.channel import Channel, PeerGone
 from pipeline.config import EngineConfig
 from pipeline.errors import WorkerDiedError, WorkerFailedError
 from pipeline.logs import get_logger
-from pipeline.remote import plan_workdir, rank_device
+from pipeline.remote import (
+    check_ready,
+    init_message,
+    plan_workdir,
+    rank_device,
+    settle_reply,
+)
 from pipeline.steplog import StepLog
 
 __all__ = ["MultiprocExecutor"]
@@ -43,6 +49,10 @@ __all__ = ["MultiprocExecutor"]
 _log = get_logger()
 START_TIMEOUT_S = 600.0
 STOP_GRACE_S = 5.0
+
+
+def _step_of(reply: wire.StepDone | wire.StepFailed) -> int:
+    return reply.output.step_id if isinstance(reply, wire.StepDone) else reply.step_id
 
 
 @attrs.define(eq=False)
@@ -115,7 +125,6 @@ class MultiprocExecutor:
         step_log: StepLog,
         worker_graph: str | None = None,
         connector_classes: tuple[str, str] | None = None,
-        log_level: str = "info",
     ) -> MultiprocExecutor:
         """Start ``config.world_size`` worker processes and wait until each is ready.
 
@@ -127,7 +136,6 @@ class MultiprocExecutor:
         devices = [rank_device(config.device, r) for r in range(config.world_size)]
         backend = "gloo" if devices[0] == "cpu" else "nccl"
         workdir, allreduce, slot = plan_workdir(config, backend)
-        plain = attrs.asdict(attrs.evolve(config, step_log=None), recurse=False)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         ranks: list[_Rank] = []
@@ -153,16 +161,14 @@ class MultiprocExecutor:
                 finally:
                     theirs.close()
                 ranks.append(_Rank(rank, proc, Channel(mine, peer=f"worker rank {rank}")))
-                init = wire.Init(
-                    rank=rank,
-                    world_size=config.world_size,
-                    config=plain,
+                init = init_message(
+                    config,
+                    rank,
                     device=device,
-                    dist_backend=backend,
-                    dist_init_method=f"file://{workdir}/rendezvous",
-                    connector_classes=connector_classes,
+                    backend=backend,
+                    init_method=f"file://{workdir}/rendezvous",
                     worker_graph=worker_graph,
-                    log_level=log_level,
+                    connector_classes=connector_classes,
                     shm_allreduce=allreduce,
                     shm_slot_bytes=slot,
                 )
@@ -194,13 +200,7 @@ class MultiprocExecutor:
                 f"worker process exited while starting (exit code {code}): {exc}",
                 exit_code=code,
             ) from exc
-        if isinstance(message, wire.InitFailed):
-            raise WorkerFailedError(
-                rank.rank, -1, f"failed to start: {message.error_type}: {message.message}"
-            )
-        if not isinstance(message, wire.Ready):
-            raise WorkerFailedError(rank.rank, -1, f"sent {type(message).__name__}, not Ready")
-        return message
+        return check_ready(rank.rank, message)
 
     # -------------------------------------------------------------------- step
 
@@ -225,25 +225,18 @@ class MultiprocExecutor:
             try:
                 await rank.channel.send(frame)
                 while True:
-                    reply = await rank.channel.recv(alive=rank.alive)
-                    if isinstance(reply, wire.StepDone | wire.StepFailed):
-                        for record in reply.records:
-                            self.step_log.record_step(record.report, kind="worker", **record.fields)
-                        rank.metadata_bound = reply.metadata_bound
-                    if isinstance(reply, wire.StepDone):
-                        if reply.output.step_id == step_id:
-                            return reply.output
-                    elif isinstance(reply, wire.StepFailed):
-                        if reply.fatal:
-                            raise self._died(rank, step_id, f"step failed: {reply.reason}")
-                        if reply.step_id == step_id:
-                            raise WorkerFailedError(
-                                rank.rank, step_id, reply.reason, report=reply.report
-                            )
-                    else:
+                    message = await rank.channel.recv(alive=rank.alive)
+                    reply = settle_reply(rank.rank, step_id, message, self.step_log)
+                    rank.metadata_bound = reply.metadata_bound
+                    if isinstance(reply, wire.StepFailed) and reply.fatal:
+                        raise self._died(rank, step_id, f"step failed: {reply.reason}")
+                    if _step_of(reply) != step_id:
+                        continue  # the late reply of a step cut at the fan-in deadline
+                    if isinstance(reply, wire.StepFailed):
                         raise WorkerFailedError(
-                            rank.rank, step_id, f"sent {type(reply).__name__} during a step"
+                            rank.rank, step_id, reply.reason, report=reply.report
                         )
+                    return reply.output
             except PeerGone as exc:
                 raise self._died(rank, step_id, str(exc)) from exc
 

@@ -46,7 +46,7 @@ class RayWorkerActor:
 
     def start(self, data: bytes) -> bytes:
         """Decode the ``Init``, join the group, load the shard; ``Ready`` or ``InitFailed``."""
-        from pipeline.worker_proc import configure_logging, start
+        from pipeline.worker_proc import bind_worker_context, start
 
         rank = -1
         try:
@@ -54,7 +54,7 @@ class RayWorkerActor:
             if not isinstance(init, wire.Init):
                 raise TypeError(f"expected Init, got {type(init).__name__}")
             rank = init.rank
-            configure_logging(init.rank, init.log_level)
+            bind_worker_context(init.rank)
             self._timeout_s = EngineConfig(**init.config).fan_in_timeout_s
             self._worker = start(init, self._records)
             runner = self._worker.runner

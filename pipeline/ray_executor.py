@@ -36,6 +36,7 @@ from pipeline.config import EngineConfig
 from pipeline.errors import InvalidConfigError, WorkerDiedError, WorkerFailedError
 from pipeline.logs import get_logger
 from pipeline.ray_actor import RayWorkerActor
+from pipeline.remote import check_ready, init_message, settle_reply
 from pipeline.steplog import StepLog
 
 __all__ = ["RayExecutor"]
@@ -96,7 +97,6 @@ class RayExecutor:
         step_log: StepLog,
         worker_graph: str | None = None,
         connector_classes: tuple[str, str] | None = None,
-        log_level: str = "info",
     ) -> RayExecutor:
         """Place ``config.world_size`` actors, start them, wait until each is ready.
 
@@ -138,35 +138,24 @@ class RayExecutor:
                 ).remote()
                 actors.append(_Actor(rank, handle))
             address = ray.get(actors[0].handle.rendezvous.remote(), timeout=START_TIMEOUT_S)
-            plain = attrs.asdict(attrs.evolve(config, step_log=None), recurse=False)
             refs = [
                 a.handle.start.remote(
                     wire.encode(
-                        wire.Init(
-                            rank=a.rank,
-                            world_size=config.world_size,
-                            config=plain,
+                        init_message(
+                            config,
+                            a.rank,
                             device="cuda:0" if cuda else "cpu",  # Ray gives each one GPU
-                            dist_backend="nccl" if cuda else "gloo",
-                            dist_init_method=address,
-                            connector_classes=connector_classes,
+                            backend="nccl" if cuda else "gloo",
+                            init_method=address,
                             worker_graph=worker_graph,
-                            log_level=log_level,
+                            connector_classes=connector_classes,
                         )
                     )
                 )
                 for a in actors
             ]
-            replies = [wire.decode(b) for b in ray.get(refs, timeout=START_TIMEOUT_S)]
-            ready: list[wire.Ready] = []
-            for actor, reply in zip(actors, replies, strict=True):
-                if isinstance(reply, wire.InitFailed):
-                    raise WorkerFailedError(
-                        actor.rank, -1, f"failed to start: {reply.error_type}: {reply.message}"
-                    )
-                if not isinstance(reply, wire.Ready):
-                    raise WorkerFailedError(actor.rank, -1, f"sent {type(reply).__name__}")
-                ready.append(reply)
+            replies = zip(actors, ray.get(refs, timeout=START_TIMEOUT_S), strict=True)
+            ready = [check_ready(a.rank, wire.decode(data)) for a, data in replies]
         except BaseException:
             for actor in actors:
                 ray.kill(actor.handle)
@@ -205,22 +194,17 @@ class RayExecutor:
                 self.failure = error
                 _log.error("worker_died", executor="ray", rank=actor.rank)
             raise error from exc
-        reply = wire.decode(raw)
-        if not isinstance(reply, wire.StepDone | wire.StepFailed):
-            raise WorkerFailedError(actor.rank, step_id, f"sent {type(reply).__name__}")
-        for record in reply.records:
-            self.step_log.record_step(record.report, kind="worker", **record.fields)
+        reply = settle_reply(actor.rank, step_id, wire.decode(raw), self.step_log)
         actor.metadata_bound = reply.metadata_bound
-        if isinstance(reply, wire.StepFailed):
-            if reply.fatal:
-                error = WorkerDiedError(
-                    actor.rank, step_id, f"tensor-parallel step broken: {reply.reason}"
-                )
-                if self.failure is None:
-                    self.failure = error
-                raise error
-            raise WorkerFailedError(actor.rank, step_id, reply.reason, report=reply.report)
-        return reply.output
+        if isinstance(reply, wire.StepDone):
+            return reply.output
+        if reply.fatal:
+            reason = f"tensor-parallel step broken: {reply.reason}"
+            error = WorkerDiedError(actor.rank, step_id, reason)
+            if self.failure is None:
+                self.failure = error
+            raise error
+        raise WorkerFailedError(actor.rank, step_id, reply.reason, report=reply.report)
 
     def check_alive(self) -> WorkerDiedError | None:
         """The first death a step noticed (Ray reports a dead actor on its next call)."""

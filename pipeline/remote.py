@@ -10,16 +10,27 @@ from __future__ import annotations
 import os
 import tempfile
 
+import attrs
+
 from connectors.registry import get_connector
+from pipeline import wire
 from pipeline.config import EngineConfig
-from pipeline.errors import InvalidConfigError
+from pipeline.errors import InvalidConfigError, WorkerFailedError
 from pipeline.executor import RemoteExecutor
 from pipeline.imports import import_path
 from pipeline.steplog import StepLog
 from pipeline.worker_factory import GraphArg, graph_import_path
 from stages.forward.shm_allreduce import available, region_bytes, slot_bytes
 
-__all__ = ["connector_import_paths", "launch_executor", "plan_workdir", "rank_device"]
+__all__ = [
+    "check_ready",
+    "connector_import_paths",
+    "init_message",
+    "launch_executor",
+    "plan_workdir",
+    "rank_device",
+    "settle_reply",
+]
 
 
 def connector_import_paths(name: str | None) -> tuple[str, str] | None:
@@ -108,7 +119,8 @@ def _workdir(shared_bytes: int) -> tuple[str, str | None]:
     shm = "/dev/shm"
     for where in (shm if os.access(shm, os.W_OK) else None, None):
         base = where or tempfile.gettempdir()
-        free = os.statvfs(base).f_bavail * os.statvfs(base).f_frsize
+        stat = os.statvfs(base)
+        free = stat.f_bavail * stat.f_frsize
         if shared_bytes and free >= 2 * shared_bytes:
             path = tempfile.mkdtemp(prefix="kvstep-workers-", dir=where)
             return path, f"{path}/allreduce"
@@ -125,3 +137,62 @@ def plan_workdir(config: EngineConfig, backend: str) -> tuple[str, str | None, i
     slot = _shm_slot_bytes(config) if backend == "gloo" and config.world_size > 1 else 0
     workdir, path = _workdir(region_bytes(config.world_size, slot) if slot else 0)
     return workdir, path, slot if path is not None else 0
+
+
+def init_message(
+    config: EngineConfig,
+    rank: int,
+    *,
+    device: str,
+    backend: str,
+    init_method: str,
+    worker_graph: str | None,
+    connector_classes: tuple[str, str] | None,
+    shm_allreduce: str | None = None,
+    shm_slot_bytes: int = 0,
+) -> wire.Init:
+    """Rank ``rank``'s ``Init``: the configuration as plain values (no step log path:
+    workers' records come back in their replies) and where the group meets."""
+    return wire.Init(
+        rank=rank,
+        world_size=config.world_size,
+        config=attrs.asdict(attrs.evolve(config, step_log=None), recurse=False),
+        device=device,
+        dist_backend=backend,
+        dist_init_method=init_method,
+        connector_classes=connector_classes,
+        worker_graph=worker_graph,
+        shm_allreduce=shm_allreduce,
+        shm_slot_bytes=shm_slot_bytes,
+    )
+
+
+def check_ready(rank: int, message: wire.Message) -> wire.Ready:
+    """``message`` as rank ``rank``'s ``Ready``.
+
+    Raises:
+        WorkerFailedError: The rank failed to start (its error in the message), or sent
+            something else.
+    """
+    if isinstance(message, wire.InitFailed):
+        raise WorkerFailedError(
+            rank, -1, f"failed to start: {message.error_type}: {message.message}"
+        )
+    if not isinstance(message, wire.Ready):
+        raise WorkerFailedError(rank, -1, f"sent {type(message).__name__}, not Ready")
+    return message
+
+
+def settle_reply(
+    rank: int, step_id: int, reply: wire.Message, step_log: StepLog
+) -> wire.StepDone | wire.StepFailed:
+    """Write a step reply's worker records to ``step_log`` and hand the reply back.
+
+    Raises:
+        WorkerFailedError: ``reply`` is not a step reply.
+    """
+    if not isinstance(reply, wire.StepDone | wire.StepFailed):
+        raise WorkerFailedError(rank, step_id, f"sent {type(reply).__name__} during a step")
+    for record in reply.records:
+        step_log.record_step(record.report, kind="worker", **record.fields)
+    return reply

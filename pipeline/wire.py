@@ -54,7 +54,6 @@ class Init(msgspec.Struct, frozen=True, tag="init"):
             (so a connector registered in the engine's process exists here), or ``None``.
         worker_graph: Import path of a function from the default worker graph to a new
             one, or ``None``.
-        log_level: Level of the worker's own logging.
         shm_allreduce: A new file the ranks map to sum activations through shared memory
             (CPU ranks on one host), or ``None`` to reduce with ``dist_backend`` only.
         shm_slot_bytes: The size of each rank's slot in that file (the engine decided it,
@@ -69,7 +68,6 @@ class Init(msgspec.Struct, frozen=True, tag="init"):
     dist_init_method: str
     connector_classes: tuple[str, str] | None = None
     worker_graph: str | None = None
-    log_level: str = "info"
     shm_allreduce: str | None = None
     shm_slot_bytes: int = 0
 

@@ -2,7 +2,7 @@
 
 The engine starts one per rank (:class:`~pipeline.multiproc.MultiprocExecutor`) with one
 end of a socket pair as file descriptor ``N``. The worker reads its :class:`Init`,
-configures its own logging (bound to its ``rank``), joins the tensor-parallel group,
+binds its ``rank`` into every log event, joins the tensor-parallel group,
 loads its shard of the model, builds its connector half and worker graph, answers
 ``Ready``, then runs steps until ``Shutdown`` or until the engine's end of the socket
 closes (the engine is gone: the worker exits rather than linger).
@@ -11,7 +11,6 @@ closes (the engine is gone: the worker exits rather than linger).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import socket
@@ -30,36 +29,22 @@ from pipeline.logs import get_logger
 from pipeline.report import StepReport
 from pipeline.steplog import StepLog
 from pipeline.worker import Worker
-from pipeline.worker_factory import build_worker
+from pipeline.worker_factory import build_worker, runner_options
 
-__all__ = ["Records", "configure_logging", "main", "run_step", "start"]
+__all__ = ["Records", "bind_worker_context", "main", "run_step", "start"]
 
 _log = get_logger()
 INIT_TIMEOUT_S = 120.0
 DIST_MIN_TIMEOUT_S = 30.0
 
 
-def configure_logging(rank: int, level: str) -> None:
-    """This process's logging: structlog key=value lines on stderr, each bound to ``rank``.
+def bind_worker_context(rank: int) -> None:
+    """Bind ``rank`` and ``pid`` into structlog's contextvars for every event of this process.
 
-    A worker process is kvstep's own program, so (unlike the library in the engine's
-    process) it configures logging, once, at start.
+    The worker does not configure logging (kvstep never does): its events go through
+    structlog's defaults, whose first processor merges these contextvars, so each line
+    names the rank it came from.
     """
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.KeyValueRenderer(
-                key_order=["timestamp", "level", "event", "rank"], drop_missing=True
-            ),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
-        ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
     structlog.contextvars.bind_contextvars(rank=rank, pid=os.getpid())
 
 
@@ -138,23 +123,11 @@ def start(init: wire.Init, records: Records) -> Worker:
         # so that a short fan-in deadline cannot fail a slow start.
         timeout_s=max(config.fan_in_timeout_s, DIST_MIN_TIMEOUT_S),
     )
-    if init.shm_allreduce is not None and init.device == "cpu":
-        tp = _shared_memory_reduce(init, config, tp)
+    tp = _shared_memory_reduce(init, config, tp)
     if config.connector is not None and init.connector_classes is not None:
         _register_connector(config.connector, init.connector_classes)
     runner = ModelRunner.load(
-        config.model,
-        dtype=config.dtype,
-        device=init.device,
-        block_size=config.block_size,
-        num_blocks=config.num_gpu_blocks,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=config.max_model_len,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        seed=config.seed,
-        rank=init.rank,
-        world_size=init.world_size,
-        tp=tp,
+        config.model, device=init.device, rank=init.rank, tp=tp, **runner_options(config)
     )
     step_log = StepLog(None)
     step_log.listeners.append(records)
@@ -250,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(message, wire.Init):
         raise SystemExit(f"expected Init, got {type(message).__name__}")
     init = message
-    configure_logging(init.rank, init.log_level)
+    bind_worker_context(init.rank)
     records = Records()
     try:
         worker = start(init, records)

@@ -129,34 +129,9 @@ class ModelRunner:
     ) -> ModelRunner:
         """Load ``model`` (a local HF directory or ``"builtin:tiny"``) and allocate the cache.
 
-        Args:
-            model: Checkpoint directory or builtin name.
-            dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
-            device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
-            block_size: Tokens per KV block.
-            num_blocks: KV blocks; ``None`` sizes the cache for ``max_num_seqs``
-                sequences of ``max_model_len`` tokens, capped by ``kv_cache_memory_bytes``.
-            max_num_seqs: Sequences the default cache size provides for.
-            max_model_len: Longest context served (also the rotary table length).
-            kv_cache_memory_bytes: Cap of the default cache size.
-            seed: Seed of the sampler for requests without their own seed.
-            rank: This worker's rank (part of the fingerprint).
-            world_size: Number of ranks.
-            shared_model: Reuse that runner's weights (same model, dtype and device); this
-                runner still gets its own KV cache, request state and sampler.
-            tp: This process's tensor-parallel group (``tp.rank == rank``,
-                ``tp.size == world_size``): load only its shard and allocate its share
-                of the KV heads; every rank must then run each step together. ``None``
-                loads the whole model (in-process ranks each hold every head).
-
-        Raises:
-            InvalidConfigError: A bad dtype, device, size, rank, incompatible
-                ``shared_model``, a ``tp`` that disagrees with ``rank``/``world_size``
-                or is combined with ``shared_model``, or a ``world_size`` that does not
-                divide the model's heads or MLP width.
-            ModelLoadError: The checkpoint cannot be loaded.
-
-        Blocks on disk I/O and weight conversion; call it off the event loop.
+        Arguments, errors and blocking are those of
+        :func:`~stages.forward.runner_load.load_runner`; the loading runs on the new
+        runner's compute thread, which then runs every forward pass and sample.
         """
         compute = ComputeThread(f"kvstep-compute-r{rank}")
         try:

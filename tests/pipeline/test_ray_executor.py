@@ -16,7 +16,12 @@ from pipeline.errors import EngineDeadError
 
 ray = pytest.importorskip("ray")
 
+import test_multiproc_executor as multiproc  # noqa: E402
 from test_multiproc_executor import config, generate, workload  # noqa: E402
+
+# The same checkpoints and single-rank references as the multiproc tests (fixtures).
+model = multiproc.model
+reference = multiproc.reference
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,16 +31,6 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def model(request: pytest.FixtureRequest, tiny_checkpoints: dict[str, Path]) -> Path:
-    return tiny_checkpoints[request.param]
-
-
-@pytest.fixture(scope="module")
-def reference(model: Path) -> list[tuple[int, ...]]:
-    return generate(config(model))[0]
 
 
 class TestRayOutputs:
