@@ -118,9 +118,16 @@ class ModelOutput:
 
 @attrs.frozen(kw_only=True)
 class SampledTokens:
-    """One sampled token per request that sampled this step."""
+    """One sampled token per request that sampled this step.
+
+    Attributes:
+        token_ids: Request id → its sampled token.
+        errors: Request id → why its row could not be sampled (it has no token and
+            fails alone, ``finish_reason="error"``).
+    """
 
     token_ids: dict[str, int] = attrs.field(factory=dict)
+    errors: dict[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -178,6 +185,8 @@ class WorkerOutput:
         finished_recving: Requests whose KV this rank finished receiving.
         invalid_block_ids: Blocks whose KV failed to load on this rank.
         failed_save_req_ids: Requests whose KV failed to save on this rank.
+        request_errors: Requests that failed alone on this rank this step (a row that
+            could not be sampled), with why; the engine ends each with ``"error"``.
         stats: Connector traffic of this step on this rank.
     """
 
@@ -188,15 +197,24 @@ class WorkerOutput:
     finished_recving: frozenset[str] = frozenset()
     invalid_block_ids: frozenset[int] = frozenset()
     failed_save_req_ids: frozenset[str] = frozenset()
+    request_errors: dict[str, str] = attrs.field(factory=dict)
     stats: KVStats = attrs.field(factory=KVStats)
 
 
 @attrs.frozen(kw_only=True)
 class PendingWorkerOutputs:
-    """The executor's handles for one step: one awaitable per rank (awaited by fan-in)."""
+    """The executor's handles for one step: one awaitable per rank (awaited by fan-in).
+
+    Attributes:
+        step_id: The step.
+        waiters: One zero-argument async callable per rank, returning its WorkerOutput.
+        request_errors: Requests the executor left out of the step because they could
+            not be sent to the workers (e.g. not encodable), with why; each fails alone.
+    """
 
     step_id: int
-    waiters: tuple[Any, ...]  # tuple of zero-argument async callables returning WorkerOutput
+    waiters: tuple[Any, ...]
+    request_errors: dict[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -216,6 +234,9 @@ class FanInOutput:
         missing_ranks: For each expired request, the ranks that never reported it.
         invalid_block_ids: Blocks that failed to load on any rank (union).
         failed_save_req_ids: Requests whose save failed on any rank (union).
+        request_errors: Requests that failed alone this step (on any rank, or in the
+            executor before the step was sent), with why (union; the lowest rank's
+            reason when several ranks name a request).
         stats: Connector traffic of this step, merged over ranks (bytes summed, tokens once).
         num_ranks: How many ranks' outputs were merged.
     """
@@ -229,6 +250,7 @@ class FanInOutput:
     missing_ranks: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     invalid_block_ids: frozenset[int] = frozenset()
     failed_save_req_ids: frozenset[str] = frozenset()
+    request_errors: dict[str, str] = attrs.field(factory=dict)
     stats: KVStats = attrs.field(factory=KVStats)
     num_ranks: int = 1
 

@@ -121,6 +121,16 @@ class AsyncEngine:
         self.num_steps = 0
 
     @property
+    def is_running(self) -> bool:
+        """Whether the step loop is open (inside ``async with``) and has not died."""
+        return self._core is not None and self._dead is None
+
+    @property
+    def is_dead(self) -> bool:
+        """Whether the step loop died; every ``generate`` then raises ``EngineDeadError``."""
+        return self._dead is not None
+
+    @property
     def core(self) -> EngineCore:
         if self._core is None:
             raise EngineDeadError("the engine is not running: use `async with AsyncEngine(...)`")

@@ -58,6 +58,12 @@ class Channel:
         return _HEADER.pack(len(body)) + body
 
     def _pop_frame(self) -> wire.Message | None:
+        body = self._pop_body()
+        return None if body is None else wire.decode(body)
+
+    def _pop_body(self) -> bytes | None:
+        """The next whole frame's body, removed from the buffer (so a body that fails to
+        decode leaves the channel in step), or ``None`` while it is incomplete."""
         if len(self._buf) < _HEADER.size:
             return None
         (size,) = _HEADER.unpack_from(self._buf)
@@ -70,7 +76,7 @@ class Channel:
             return None
         body = bytes(self._buf[_HEADER.size : end])
         del self._buf[:end]
-        return wire.decode(body)
+        return body
 
     def _read_some(self) -> bool:
         """Read what is available into the buffer; ``False`` when nothing was."""
@@ -118,12 +124,27 @@ class Channel:
 
         Raises:
             PeerGone: The connection closed, or ``alive()`` turned false.
-            TransportError: A malformed frame.
+            TransportError: A malformed frame (it is consumed: the next ``recv`` reads
+                the frame after it).
+        """
+        return wire.decode(await self.recv_frame(alive=alive, poll_s=poll_s))
+
+    async def recv_frame(
+        self, *, alive: Callable[[], bool] | None = None, poll_s: float = 0.25
+    ) -> bytes:
+        """Wait for the next frame and return its body undecoded (see :meth:`recv`).
+
+        For a reader that must survive a message it cannot decode (the worker answers
+        ``StepFailed`` for it); the frame is consumed either way.
+
+        Raises:
+            PeerGone: The connection closed, or ``alive()`` turned false.
+            TransportError: A frame longer than ``max_frame_bytes``.
         """
         while True:
-            message = self._pop_frame()
-            if message is not None:
-                return message
+            body = self._pop_body()
+            if body is not None:
+                return body
             if self._read_some():
                 continue
             if alive is None:

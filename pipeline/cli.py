@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,25 +20,46 @@ import anyio
 import attrs
 
 from pipeline.config import EngineConfig
-from pipeline.errors import KvstepError
+from pipeline.errors import InvalidConfigError, KvstepError
 
 __all__ = ["build_parser", "main"]
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """The value of ``--connector-options``: a JSON object, else an argparse error."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        kind = type(value).__name__
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, not {kind} {text!r}")
+    return value
+
+
+def _flag_kind(hint: Any) -> type:
+    """What a field's flag parses to: ``bool``, ``int``, ``float``, ``dict`` or ``str``."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members = typing.get_args(hint) if union else (hint,)
+    kinds = {typing.get_origin(m) or m for m in members} - {type(None)}
+    if len(kinds) == 1 and (kind := kinds.pop()) in (bool, int, float, dict):
+        return kind
+    return str
+
+
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineConfig)
     for field in attrs.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
-        kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
-        if field.name == "connector_options":
-            parser.add_argument(flag, type=json.loads, default=None, help="JSON object")
-        elif "bool" in kind:
+        kind = _flag_kind(hints[field.name])
+        if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        elif "int" in kind and "str" not in kind:
-            parser.add_argument(flag, type=int, default=None)
-        elif "float" in kind:
-            parser.add_argument(flag, type=float, default=None)
-        else:
+        elif kind is dict:
+            parser.add_argument(flag, type=_json_object, default=None, help="a JSON object")
+        elif kind is str:
             parser.add_argument(flag, default=None)
+        else:
+            parser.add_argument(flag, type=kind, default=None)
 
 
 def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    _add_server_flags(serve)
     return parser
 
 
@@ -146,14 +171,22 @@ def _missing_server_extra(exc: ImportError) -> int:
     return 2
 
 
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    try:
+        from pipeline.server import add_server_flags
+    except ImportError:  # no server extra: `serve` says so when it runs
+        return
+    add_server_flags(parser)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(**_config_fields(args))
     try:
-        from pipeline.server import serve
+        from pipeline.server import serve, server_options
     except ImportError as exc:
         return _missing_server_extra(exc)
     try:
-        serve(config, args.host, args.port)
+        serve(config, args.host, args.port, server_options(args))
     except ModuleNotFoundError as exc:  # a lazy import inside serve()
         if (exc.name or "").split(".")[0] not in _SERVER_PACKAGES:
             raise
@@ -165,16 +198,30 @@ def _fmt(value: Any) -> str:
     return f"{value:.1f}" if isinstance(value, float) else str(value)
 
 
+def _config_error(args: argparse.Namespace, exc: InvalidConfigError) -> str:
+    """``exc`` as an argparse-style message, naming the flag when one was given."""
+    field = re.split(r"[\[.]", exc.field, maxsplit=1)[0]
+    given = field in attrs.fields_dict(EngineConfig) and getattr(args, field, None) is not None
+    if given:
+        flag = "--" + field.replace("_", "-")
+        return f"kvstep {args.command}: error: argument {flag}: {exc}"
+    return f"kvstep: error: {exc}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstep`` console script; returns the exit status.
 
     Errors of kvstep (bad config, unreadable step log) print ``kvstep: error: ...`` on
-    stderr and return 2.
+    stderr and return 2; a bad value of a flag given names the flag, like argparse's
+    own errors (which exit with status 2).
     """
     args = build_parser().parse_args(argv)
     commands = {"run": _cmd_run, "logs": _cmd_logs, "serve": _cmd_serve}
     try:
         return commands[args.command](args)
+    except InvalidConfigError as exc:
+        print(_config_error(args, exc), file=sys.stderr)
+        return 2
     except KvstepError as exc:
         print(f"kvstep: error: {exc}", file=sys.stderr)
         return 2

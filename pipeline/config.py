@@ -2,48 +2,142 @@
 
 Both are frozen attrs classes validated at construction: a bad value raises
 :class:`~pipeline.errors.InvalidConfigError` (engine) or
-:class:`~pipeline.errors.InvalidRequestError` (request) naming the field, the value and
-what is allowed.
+:class:`~pipeline.errors.InvalidRequestError` (request) naming the field, a short repr
+of the value and what is allowed. Every field is type-checked (a ``bool`` is never
+taken for a number, nor a string for a ``bool``), numbers must be finite and in a
+64-bit range, and what passes is exactly what the engine↔worker wire
+(:mod:`pipeline.wire`, msgspec) encodes and its typed decoder accepts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from pipeline.checks import (
+    INT64_MAX,
+    INT64_MIN,
+    SECRET_KEY,
+    check_float,
+    check_int,
+    check_plain,
+    redact,
+)
 from pipeline.errors import InvalidConfigError, InvalidRequestError
 
-__all__ = ["EXECUTORS", "DTYPES", "EngineConfig", "SamplingParams"]
+__all__ = [
+    "DTYPES",
+    "EXECUTORS",
+    "MAX_STOP_TOKEN_IDS",
+    "MAX_TOKENS_LIMIT",
+    "SAMPLING_EPS",
+    "EngineConfig",
+    "SamplingParams",
+]
 
 EXECUTORS = ("inprocess", "multiproc", "ray")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
+#: A temperature below this samples greedily (vLLM's ``_SAMPLING_EPS``): dividing
+#: logits by a smaller one overflows to inf and the softmax to NaN.
+SAMPLING_EPS = 1e-5
+#: Largest ``max_tokens`` (and ``top_k``) a request may ask for (int32).
+MAX_TOKENS_LIMIT = (1 << 31) - 1
+#: Most ``stop_token_ids`` one request may name.
+MAX_STOP_TOKEN_IDS = 1024
+_MAX_TOKEN_ID = (1 << 31) - 1
+
 
 def _positive(inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidConfigError(attribute.name, value, "must be a positive integer")
+    check_int(attribute.name, value, InvalidConfigError, lo=1)
+
+
+def _int64(inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    check_int(attribute.name, value, InvalidConfigError)
+
+
+def _optional_positive(inst: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+    if value is not None:
+        check_int(attribute.name, value, InvalidConfigError, lo=1)
+
+
+def _bool(inst: object, attribute: attrs.Attribute[Any], value: bool) -> None:
+    if not isinstance(value, bool):
+        raise InvalidConfigError(attribute.name, value, "must be true or false (a bool)")
 
 
 def _choice(choices: tuple[str, ...]) -> Any:
     def check(inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
-        if value not in choices:
+        if not isinstance(value, str) or value not in choices:
             raise InvalidConfigError(attribute.name, value, f"must be one of {', '.join(choices)}")
 
     return check
 
 
 def _positive_float(inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-        raise InvalidConfigError(attribute.name, value, "must be a number > 0")
+    check_float(
+        attribute.name,
+        value,
+        InvalidConfigError,
+        lo=0.0,
+        hi=float("inf"),
+        lo_open=True,
+        allow_inf=True,
+    )
 
 
 def _non_negative_float(inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
-        raise InvalidConfigError(attribute.name, value, "must be a number >= 0")
+    check_float(attribute.name, value, InvalidConfigError, lo=0.0, hi=float("inf"), allow_inf=True)
+
+
+def _model(inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidConfigError("model", value, "must be a local model directory or builtin:tiny")
+
+
+def _device(inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if not isinstance(value, str) or not (
+        value in ("auto", "cpu", "cuda")
+        or (value.startswith("cuda:") and value[5:].isdigit() and value[5:].isascii())
+    ):
+        raise InvalidConfigError("device", value, "must be auto, cpu, cuda or cuda:N")
+
+
+def _connector(inst: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidConfigError("connector", value, "must be a registered connector name or None")
+
+
+def _secret_safe_error(name: str, value: object, allowed: str) -> InvalidConfigError:
+    return InvalidConfigError(name, "***" if SECRET_KEY.search(name) else value, allowed)
+
+
+def _options(inst: object, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
+    if not isinstance(value, dict):
+        raise InvalidConfigError(
+            "connector_options", type(value).__name__, "must be a dict with str keys"
+        )
+    check_plain("connector_options", value, _secret_safe_error)
+
+
+def _step_log(inst: object, attribute: attrs.Attribute[Any], value: str | Path | None) -> None:
+    if value is not None and not isinstance(value, str | os.PathLike):
+        raise InvalidConfigError("step_log", value, "must be a path (str or PathLike) or None")
+
+
+def _options_repr(value: dict[str, Any]) -> str:
+    return repr(redact(value))
+
+
+def _hash_seed_repr(value: int) -> str:
+    # A non-default seed may be the secret that makes store keys unguessable.
+    return "0" if value == 0 else "<hidden>"
 
 
 @attrs.frozen(kw_only=True)
@@ -67,7 +161,9 @@ class EngineConfig:
         connector: A registered connector name, or ``None``.
         connector_options: Options handed to that connector.
         enable_prefix_caching: Reuse cached blocks inside the engine.
-        hash_seed: Root of the chained block hashes (stable across restarts).
+        hash_seed: Root of the chained block hashes (stable across restarts). A secret
+            seed makes the keys of a shared store unguessable (who can list the store
+            cannot test whether a prompt was seen); ``repr`` hides a non-zero seed.
         executor: ``"inprocess"`` (virtual ranks in this process, each with the whole
             model), ``"multiproc"`` (a worker process per rank) or ``"ray"`` (a Ray actor
             per rank); the last two split the model tensor-parallel across the ranks.
@@ -84,64 +180,75 @@ class EngineConfig:
         seed: Seed of the sampler for requests without their own seed.
     """
 
-    model: str = "builtin:tiny"
+    model: str = attrs.field(default="builtin:tiny", validator=_model)
     dtype: str = attrs.field(default="auto", validator=_choice(DTYPES))
-    device: str = "auto"
+    device: str = attrs.field(default="auto", validator=_device)
     block_size: int = attrs.field(default=16, validator=_positive)
-    num_gpu_blocks: int | None = None
+    num_gpu_blocks: int | None = attrs.field(default=None, validator=_optional_positive)
     kv_cache_memory_bytes: int = attrs.field(default=2 << 30, validator=_positive)
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive)
     max_model_len: int = attrs.field(default=4096, validator=_positive)
     max_queue_depth: int = attrs.field(default=1024, validator=_positive)
-    connector: str | None = None
-    connector_options: dict[str, Any] = attrs.field(factory=dict)
-    enable_prefix_caching: bool = True
-    hash_seed: int = 0
+    connector: str | None = attrs.field(default=None, validator=_connector)
+    connector_options: dict[str, Any] = attrs.field(
+        factory=dict, validator=_options, repr=_options_repr
+    )
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_bool)
+    hash_seed: int = attrs.field(default=0, validator=_int64, repr=_hash_seed_repr)
     executor: str = attrs.field(default="inprocess", validator=_choice(EXECUTORS))
     world_size: int = attrs.field(default=1, validator=_positive)
-    step_log: str | Path | None = None
+    step_log: str | Path | None = attrs.field(default=None, validator=_step_log)
     load_failure_policy: str = attrs.field(
         default="recompute", validator=_choice(LOAD_FAILURE_POLICIES)
     )
     fan_in_timeout_s: float = attrs.field(default=300.0, validator=_non_negative_float)
     finalizer_timeout_s: float = attrs.field(default=30.0, validator=_non_negative_float)
     transfer_lease_s: float = attrs.field(default=60.0, validator=_positive_float)
-    seed: int = 0
-
-    def __attrs_post_init__(self) -> None:
-        if self.num_gpu_blocks is not None and (
-            not isinstance(self.num_gpu_blocks, int) or self.num_gpu_blocks <= 0
-        ):
-            raise InvalidConfigError(
-                "num_gpu_blocks", self.num_gpu_blocks, "must be a positive integer or None"
-            )
-        if self.device != "auto" and not (
-            self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
-        ):
-            raise InvalidConfigError("device", self.device, "must be auto, cpu, cuda or cuda:N")
-        if not isinstance(self.model, str) or not self.model:
-            raise InvalidConfigError(
-                "model", self.model, "must be a local model directory or builtin:tiny"
-            )
+    seed: int = attrs.field(default=0, validator=_int64)
 
 
-def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
-    return tuple(values)
+def _stop_token_ids(values: Iterable[int]) -> frozenset[int]:
+    """The stop tokens as a set; at most :data:`MAX_STOP_TOKEN_IDS` token ids, read
+    lazily so that a huge iterable is refused without being materialised."""
+    what = "stop_token_ids"
+    allowed = f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids"
+    if isinstance(values, str | bytes | bytearray | Mapping) or not isinstance(values, Iterable):
+        raise InvalidRequestError(what, values, allowed)
+    items = list(itertools.islice(values, MAX_STOP_TOKEN_IDS + 1))
+    if len(items) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(what, values, allowed)
+    return frozenset(
+        check_int(f"{what}[{i}]", tok, InvalidRequestError, lo=0, hi=_MAX_TOKEN_ID)
+        for i, tok in enumerate(items)
+    )
 
 
 @attrs.frozen(kw_only=True)
 class SamplingParams:
-    """How one request samples and when it stops.
+    """How one request samples and when it stops; checked strictly at construction.
+
+    Everything that passes crosses the engine↔worker wire unchanged: integers are real
+    ``int`` (a ``bool`` is refused) in the ranges below, floats are stored as finite
+    builtin ``float`` (an ``int`` is accepted and converted; one too large for a float is
+    refused), so that no later ``float()`` or encode can fail for one request.
 
     Attributes:
-        max_tokens: Most tokens to generate (>= 1).
-        temperature: 0 means greedy; otherwise logits are divided by it.
+        max_tokens: Most tokens to generate, in ``[1, MAX_TOKENS_LIMIT]``.
+        temperature: Finite, >= 0; below :data:`SAMPLING_EPS` means greedy (argmax);
+            otherwise logits are divided by it.
         top_p: Nucleus sampling mass in (0, 1].
-        top_k: Keep the k most likely tokens; 0 or -1 keeps all.
-        seed: Per-request seed: the same seed gives the same tokens whatever the batch.
-        stop_token_ids: Tokens that end the request (the stop token is kept in output).
-        ignore_eos: Do not stop at the model's end-of-sequence token.
+        top_k: Keep the k most likely tokens; 0 or -1 keeps all; at most
+            ``MAX_TOKENS_LIMIT``.
+        seed: Per-request seed, a signed 64-bit integer, or ``None``: the same seed gives
+            the same tokens whatever the batch.
+        stop_token_ids: Tokens that end the request (the stop token is kept in output):
+            at most :data:`MAX_STOP_TOKEN_IDS` ids in ``[0, 2**31)``, kept as a set.
+        ignore_eos: Do not stop at the model's end-of-sequence token (a ``bool``).
+
+    Raises:
+        InvalidRequestError: A field of another type or out of range; the message names
+            the field and what is allowed.
     """
 
     max_tokens: int = 16
@@ -149,31 +256,32 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_stop_token_ids)
     ignore_eos: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if (
-            not isinstance(self.max_tokens, int)
-            or isinstance(self.max_tokens, bool)
-            or (self.max_tokens < 1)
-        ):
-            raise InvalidRequestError("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if not isinstance(self.temperature, int | float) or not self.temperature >= 0:
-            raise InvalidRequestError("temperature", self.temperature, "must be a number >= 0")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError("top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequestError("top_k", self.top_k, "must be -1, 0 (all) or >= 1")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequestError("seed", self.seed, "must be an integer or None")
-        for tok in self.stop_token_ids:
-            if not isinstance(tok, int) or tok < 0:
-                raise InvalidRequestError(
-                    "stop_token_ids", self.stop_token_ids, "must be non-negative integers"
-                )
+        error = InvalidRequestError
+        normalised: dict[str, object] = {
+            "max_tokens": check_int(
+                "max_tokens", self.max_tokens, error, lo=1, hi=MAX_TOKENS_LIMIT
+            ),
+            "temperature": check_float(
+                "temperature", self.temperature, error, lo=0.0, hi=float("inf")
+            ),
+            "top_p": check_float("top_p", self.top_p, error, lo=0.0, hi=1.0, lo_open=True),
+        }
+        top_k = check_int("top_k", self.top_k, error, lo=-1, hi=MAX_TOKENS_LIMIT)
+        normalised["top_k"] = top_k
+        if self.seed is not None:
+            normalised["seed"] = check_int("seed", self.seed, error, lo=INT64_MIN, hi=INT64_MAX)
+        if not isinstance(self.ignore_eos, bool):
+            raise error("ignore_eos", self.ignore_eos, "must be true or false (a bool)")
+        if not isinstance(self.stop_token_ids, frozenset):  # decoded, not converted
+            raise error("stop_token_ids", self.stop_token_ids, "must be a set of token ids")
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
-        """Whether sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Whether sampling reduces to argmax (temperature below ``SAMPLING_EPS`` or top_k 1)."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1

@@ -26,6 +26,7 @@ from pipeline.remote import launch_executor
 from pipeline.request import Request, RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.tokenizer import load_tokenizer
+from pipeline.wire_checks import check_sendable
 from pipeline.worker import Worker
 from pipeline.worker_factory import (
     GraphArg,
@@ -197,7 +198,22 @@ class EngineCore:
             )
         return list(prompt)
 
+    def validate_params(self, params: object) -> SamplingParams:
+        """Return ``params`` if the workers will accept it, or raise ``InvalidRequestError``.
+
+        ``SamplingParams`` checks its fields at construction; this also refuses what is
+        not one, or one altered since, so that an admitted request always crosses the wire.
+        """
+        return check_sendable(params)
+
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Admit one request (its prompt already validated).
+
+        Raises:
+            InvalidRequestError: ``params`` is not a ``SamplingParams`` the workers'
+                decoder accepts (e.g. altered after it was checked).
+        """
+        self.validate_params(params)
         eos = self.model_config.eos_token_id
         if isinstance(eos, list | tuple):
             eos = eos[0] if eos else None

@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from pipeline.checks import short_repr
+
 __all__ = [
     "ConnectorLifecycleError",
     "DuplicateConnectorError",
@@ -47,7 +49,7 @@ class InvalidConfigError(KvstepError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"invalid {field}={value!r}: {allowed}")
+        super().__init__(f"invalid {field}={short_repr(value)}: {allowed}")
 
 
 class InvalidRequestError(KvstepError, ValueError):
@@ -57,7 +59,7 @@ class InvalidRequestError(KvstepError, ValueError):
         self.what = what
         self.value = value
         self.allowed = allowed
-        super().__init__(f"invalid {what}={value!r}: {allowed}")
+        super().__init__(f"invalid {what}={short_repr(value)}: {allowed}")
 
 
 class UnknownConnectorError(KvstepError, KeyError):

@@ -91,6 +91,8 @@ class LLM:
                 raise InvalidRequestError(
                     "params", len(per_prompt), f"must be one SamplingParams or {len(prompts)}"
                 )
+        for each in per_prompt:
+            self.engine.core.validate_params(each)
         checked = [self.engine.core.validate_prompt(p) for p in prompts]
         return self._portal.call(self._generate, checked, per_prompt)
 

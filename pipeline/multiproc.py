@@ -43,6 +43,8 @@ from pipeline.remote import (
     settle_reply,
 )
 from pipeline.steplog import StepLog
+from pipeline.wire_checks import encode_step_isolated
+from pipeline.workdirs import release_shared_file
 
 __all__ = ["MultiprocExecutor"]
 
@@ -174,6 +176,7 @@ class MultiprocExecutor:
                 )
                 ranks[-1].channel.send_sync(init)
             ready = [cls._await_ready(r) for r in ranks]
+            release_shared_file(allreduce)  # every rank mapped it before its Ready
         except BaseException:
             _kill([r.proc for r in ranks], workdir)
             for r in ranks:
@@ -206,12 +209,15 @@ class MultiprocExecutor:
 
     def submit(self, scheduler_output: SchedulerOutput) -> PendingWorkerOutputs:
         """Encode the step once; each rank's waiter sends it and awaits the reply."""
-        frame = wire.encode_step(scheduler_output)
+        encoded = encode_step_isolated(scheduler_output)  # a bad request fails alone
+        frame = encoded.frame
         step_id = scheduler_output.step_id
         waiters: list[Callable[[], Awaitable[WorkerOutput]]] = [
             partial(self._rank_step, rank, frame, step_id) for rank in self._ranks
         ]
-        return PendingWorkerOutputs(step_id=step_id, waiters=tuple(waiters))
+        return PendingWorkerOutputs(
+            step_id=step_id, waiters=tuple(waiters), request_errors=encoded.request_errors
+        )
 
     async def _rank_step(self, rank: _Rank, frame: bytes, step_id: int) -> WorkerOutput:
         """One rank's step: send, then read replies until this step's.

@@ -33,6 +33,7 @@ class RayWorkerActor:
         self._records = Records()
         self._worker: Any = None
         self._timeout_s = 300.0
+        self._metadata_types: dict[str, type] = {}
 
     def rendezvous(self) -> str:
         """``tcp://<this node's IP>:<a free port>`` for the group's rendezvous."""
@@ -47,6 +48,7 @@ class RayWorkerActor:
     def start(self, data: bytes) -> bytes:
         """Decode the ``Init``, join the group, load the shard; ``Ready`` or ``InitFailed``."""
         from pipeline.worker_proc import bind_worker_context, start
+        from pipeline.worker_steps import connector_metadata_types
 
         rank = -1
         try:
@@ -55,8 +57,10 @@ class RayWorkerActor:
                 raise TypeError(f"expected Init, got {type(init).__name__}")
             rank = init.rank
             bind_worker_context(init.rank)
-            self._timeout_s = EngineConfig(**init.config).fan_in_timeout_s
+            config = EngineConfig(**init.config)
+            self._timeout_s = config.fan_in_timeout_s
             self._worker = start(init, self._records)
+            self._metadata_types = connector_metadata_types(config.connector)
             runner = self._worker.runner
             return wire.encode(
                 wire.Ready(init.rank, os.getpid(), runner.num_blocks, runner.fingerprint)
@@ -66,17 +70,20 @@ class RayWorkerActor:
             return wire.encode(wire.InitFailed(rank, type(exc).__name__, str(exc)))
 
     async def step(self, data: bytes) -> bytes:
-        """Run one ``Step``; ``StepDone`` or ``StepFailed``."""
-        from pipeline.worker_proc import run_step
+        """Run one ``Step``; ``StepDone`` or ``StepFailed`` (also for a frame that does
+        not decode, or a reply that does not encode: see :mod:`pipeline.worker_steps`)."""
+        from pipeline.worker_steps import answer
 
-        try:
-            message = wire.decode(data)
-            if not isinstance(message, wire.Step):
-                raise TypeError(f"expected Step, got {type(message).__name__}")
-        except Exception as exc:
-            rank = self._worker.rank if self._worker is not None else -1
-            return wire.encode(wire.StepFailed(rank, -1, repr(exc), None, []))
-        return wire.encode(await run_step(self._worker, message, self._records, self._timeout_s))
+        if self._worker is None:
+            return wire.encode(wire.StepFailed(-1, -1, "the worker is not started", None, []))
+        result = await answer(
+            self._worker, data, self._records, self._timeout_s, self._metadata_types
+        )
+        if result.reply is None:  # Shutdown through step(): not a step
+            return wire.encode(
+                wire.StepFailed(self._worker.rank, -1, "Shutdown sent as a step", None, [])
+            )
+        return result.reply
 
     async def shutdown(self) -> bytes:
         """Close the worker and leave the group; idempotent."""

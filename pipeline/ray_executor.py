@@ -38,6 +38,7 @@ from pipeline.logs import get_logger
 from pipeline.ray_actor import RayWorkerActor
 from pipeline.remote import check_ready, init_message, settle_reply
 from pipeline.steplog import StepLog
+from pipeline.wire_checks import encode_step_isolated
 
 __all__ = ["RayExecutor"]
 
@@ -174,12 +175,15 @@ class RayExecutor:
 
     def submit(self, scheduler_output: SchedulerOutput) -> PendingWorkerOutputs:
         """Encode the step once; each waiter calls its actor and awaits the object ref."""
-        data = wire.encode_step(scheduler_output)
+        encoded = encode_step_isolated(scheduler_output)  # a bad request fails alone
+        data = encoded.frame
         step_id = scheduler_output.step_id
         waiters: list[Callable[[], Awaitable[WorkerOutput]]] = [
             partial(self._rank_step, actor, data, step_id) for actor in self._actors
         ]
-        return PendingWorkerOutputs(step_id=step_id, waiters=tuple(waiters))
+        return PendingWorkerOutputs(
+            step_id=step_id, waiters=tuple(waiters), request_errors=encoded.request_errors
+        )
 
     async def _rank_step(self, actor: _Actor, data: bytes, step_id: int) -> WorkerOutput:
         ray = _import_ray()

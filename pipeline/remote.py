@@ -19,6 +19,7 @@ from pipeline.errors import InvalidConfigError, WorkerFailedError
 from pipeline.executor import RemoteExecutor
 from pipeline.imports import import_path
 from pipeline.steplog import StepLog
+from pipeline.workdirs import make_workdir, sweep_stale_workdirs
 from pipeline.worker_factory import GraphArg, graph_import_path
 from stages.forward.shm_allreduce import available, region_bytes, slot_bytes
 
@@ -122,9 +123,9 @@ def _workdir(shared_bytes: int) -> tuple[str, str | None]:
         stat = os.statvfs(base)
         free = stat.f_bavail * stat.f_frsize
         if shared_bytes and free >= 2 * shared_bytes:
-            path = tempfile.mkdtemp(prefix="kvstep-workers-", dir=where)
+            path = make_workdir(where)
             return path, f"{path}/allreduce"
-    return tempfile.mkdtemp(prefix="kvstep-workers-"), None
+    return make_workdir(None), None
 
 
 def plan_workdir(config: EngineConfig, backend: str) -> tuple[str, str | None, int]:
@@ -132,8 +133,10 @@ def plan_workdir(config: EngineConfig, backend: str) -> tuple[str, str | None, i
     ``None``: reduce with ``backend`` alone) and its slot size in bytes (0 without one).
 
     The file is offered to CPU (gloo) groups of more than one rank on x86-64, sized once
-    here so that every rank maps the same layout.
+    here so that every rank maps the same layout. Removes first the directories of
+    engines that are gone (:func:`~pipeline.workdirs.sweep_stale_workdirs`).
     """
+    sweep_stale_workdirs()
     slot = _shm_slot_bytes(config) if backend == "gloo" and config.world_size > 1 else 0
     workdir, path = _workdir(region_bytes(config.world_size, slot) if slot else 0)
     return workdir, path, slot if path is not None else 0

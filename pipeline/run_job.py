@@ -8,10 +8,10 @@ with ``enable_prefix_caching=False`` so every reused token visibly comes from th
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import anyio
 import attrs
 
 from pipeline.config import EngineConfig, SamplingParams
+from pipeline.run_files import prepare_run_files
 
 __all__ = ["PassResult", "RunOptions", "cache_dir", "default_run_config", "run_job"]
 
@@ -189,8 +190,10 @@ async def run_job(
     """Run the workload twice, each pass on a fresh engine sharing the connector's store.
 
     Clears the ``shared_storage`` directory first unless ``options.keep_store``, and
-    truncates the step log (the job's log holds this run only). Blocks the event loop
-    only briefly; cancelling it closes the engine of the pass in flight.
+    truncates the step log (the job's log holds this run only), but only what kvstep
+    wrote: a directory or file that is not kvstep's is refused, untouched (see
+    :func:`~pipeline.run_files.prepare_run_files`). Blocks the event loop only briefly;
+    cancelling it closes the engine of the pass in flight.
 
     Args:
         config: The engine of both passes.
@@ -199,14 +202,20 @@ async def run_job(
 
     Returns:
         The first and the second pass.
+
+    Raises:
+        InvalidConfigError: The store directory or the step log is not kvstep's.
     """
     store = config.connector_options.get("path") if config.connector == "shared_storage" else None
-    if store is not None and not options.keep_store:
-        shutil.rmtree(store, ignore_errors=True)
-    if config.step_log is not None:
-        log_path = Path(config.step_log)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("")
+    await anyio.to_thread.run_sync(
+        partial(
+            prepare_run_files,
+            Path(store) if isinstance(store, str | os.PathLike) else None,
+            Path(config.step_log) if config.step_log is not None else None,
+            clear_store=not options.keep_store,
+            store_mode=0o770 if config.connector_options.get("allow_shared") is True else 0o700,
+        )
+    )
     results: list[PassResult] = []
     offset = 0
     for name in ("first", "second"):

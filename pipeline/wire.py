@@ -4,7 +4,9 @@ Every message is one of :data:`Message`'s tagged structs, encoded with msgpack; 
 decoder accepts nothing else, and the encoder has no fallback for other Python objects,
 so nothing is ever pickled. Artifacts (``SchedulerOutput``, ``WorkerOutput``,
 ``StepReport``) are attrs classes of plain values, which msgspec encodes natively.
-Connector metadata travels as its own ``to_bytes()`` plus the import path of its class.
+Connector metadata travels as its own ``to_bytes()`` plus the path of its class, which
+the worker resolves only against an allow-list (:func:`pipeline.wire_checks.metadata_types`:
+the metadata classes of its registered connector); nothing named in a frame is imported.
 
 Conversation: engine → ``Init``; worker → ``Ready`` (or ``InitFailed``); then per step
 engine → ``Step``, worker → ``StepDone`` or ``StepFailed``; finally engine → ``Shutdown``.
@@ -12,6 +14,7 @@ engine → ``Step``, worker → ``StepDone`` or ``StepFailed``; finally engine �
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -19,8 +22,8 @@ import msgspec
 
 from connectors.base import KVConnectorMetadata, ModelFingerprint
 from pipeline.artifacts import SchedulerOutput, WorkerOutput
+from pipeline.checks import short_repr
 from pipeline.errors import TransportError
-from pipeline.imports import resolve_import_path
 from pipeline.report import StepReport
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "decode_metadata",
     "encode",
     "encode_step",
+    "recover_step_id",
 ]
 
 
@@ -174,6 +178,31 @@ def decode(data: bytes | memoryview) -> Message:
         raise TransportError(f"undecodable message ({len(data)} bytes): {exc}") from exc
 
 
+class _StepId(msgspec.Struct):
+    step_id: int
+
+
+class _StepHeader(msgspec.Struct, tag="step"):
+    scheduler_output: _StepId
+
+
+_header_decoder = msgspec.msgpack.Decoder(_StepHeader)
+
+
+def recover_step_id(data: bytes | memoryview) -> int | None:
+    """The step id of a ``Step`` frame that :func:`decode` refused, or ``None``.
+
+    Reads only ``scheduler_output.step_id`` (every other field is ignored), so a frame
+    whose requests hold a value the typed decoder rejects still names its step: the
+    worker answers ``StepFailed`` for that step instead of dying. ``None``: the bytes
+    are not a ``Step`` at all.
+    """
+    try:
+        return _header_decoder.decode(data).scheduler_output.step_id
+    except msgspec.DecodeError:
+        return None
+
+
 def encode_step(scheduler_output: SchedulerOutput) -> bytes:
     """The ``Step`` message of ``scheduler_output``, its metadata as bytes + class path."""
     metadata = scheduler_output.kv_connector_metadata
@@ -194,21 +223,28 @@ def encode_step(scheduler_output: SchedulerOutput) -> bytes:
     )
 
 
-def decode_metadata(step: Step) -> SchedulerOutput:
+def decode_metadata(
+    step: Step, allowed: Mapping[str, type[KVConnectorMetadata]] | None = None
+) -> SchedulerOutput:
     """``step``'s SchedulerOutput with its connector metadata object rebuilt.
 
+    Args:
+        step: The decoded step.
+        allowed: ``"module:qualname"`` → metadata class (the worker's connector's
+            :func:`pipeline.wire_checks.metadata_types`). The class named by the frame
+            is looked up here and nowhere else: no module named in a frame is imported.
+
     Raises:
-        TransportError: The metadata class does not import, is not a
-            ``KVConnectorMetadata``, or rejects the bytes.
+        TransportError: The metadata class is not in ``allowed``, or rejects the bytes.
     """
     if step.metadata_type is None or step.metadata is None:
         return step.scheduler_output
-    try:
-        cls = resolve_import_path(step.metadata_type, what="connector metadata class")
-    except Exception as exc:
-        raise TransportError(str(exc)) from exc
-    if not (isinstance(cls, type) and issubclass(cls, KVConnectorMetadata)):
-        raise TransportError(f"{step.metadata_type} is not a KVConnectorMetadata class")
+    cls = (allowed or {}).get(step.metadata_type)
+    if cls is None:
+        raise TransportError(
+            f"connector metadata class {short_repr(step.metadata_type)} is not the metadata "
+            f"of the registered connector (allowed: {', '.join(sorted(allowed or {})) or 'none'})"
+        )
     try:
         metadata = cls.from_bytes(step.metadata)
     except Exception as exc:

@@ -23,15 +23,20 @@ import structlog
 from pipeline import wire
 from pipeline.channel import Channel, PeerGone
 from pipeline.config import EngineConfig
-from pipeline.errors import WorkerFailedError
 from pipeline.imports import resolve_import_path
 from pipeline.logs import get_logger
-from pipeline.report import StepReport
 from pipeline.steplog import StepLog
 from pipeline.worker import Worker
 from pipeline.worker_factory import build_worker, runner_options
+from pipeline.worker_steps import (
+    MetadataTypes,
+    Records,
+    answer,
+    connector_metadata_types,
+    run_step,
+)
 
-__all__ = ["Records", "bind_worker_context", "main", "run_step", "start"]
+__all__ = ["Records", "bind_worker_context", "main", "run_step", "serve", "start"]
 
 _log = get_logger()
 INIT_TIMEOUT_S = 120.0
@@ -69,20 +74,6 @@ def _cpu_threads(world_size: int) -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return max(1, cores // world_size)
-
-
-class Records:
-    """A step-log listener that keeps this step's records for the reply."""
-
-    def __init__(self) -> None:
-        self.items: list[wire.WorkerRecord] = []
-
-    def __call__(self, report: StepReport, kind: str, fields: dict[str, Any]) -> None:
-        self.items.append(wire.WorkerRecord(report=report, fields=dict(fields)))
-
-    def take(self) -> list[wire.WorkerRecord]:
-        items, self.items = self.items, []
-        return items
 
 
 def _shared_memory_reduce(init: wire.Init, config: EngineConfig, tp: Any) -> Any:
@@ -140,75 +131,29 @@ def start(init: wire.Init, records: Records) -> Worker:
         raise
 
 
-async def serve(channel: Channel, worker: Worker, records: Records, timeout_s: float) -> None:
-    """Run steps until ``Shutdown`` or until the engine's end closes."""
+async def serve(
+    channel: Channel,
+    worker: Worker,
+    records: Records,
+    timeout_s: float,
+    metadata_types: MetadataTypes | None = None,
+) -> None:
+    """Run steps until ``Shutdown``, a fatal step, or until the engine's end closes.
+
+    A frame that does not decode, or a reply that does not encode, fails its step
+    (:func:`pipeline.worker_steps.answer`); the worker keeps serving.
+    """
     while True:
         try:
-            message = await channel.recv()
+            body = await channel.recv_frame()
         except PeerGone:
             _log.warning("engine_gone")
             return
-        if isinstance(message, wire.Shutdown):
+        result = await answer(worker, body, records, timeout_s, metadata_types)
+        if result.reply is not None:
+            await channel.send(result.reply)
+        if result.stop:
             return
-        if not isinstance(message, wire.Step):
-            raise TypeError(f"worker got {type(message).__name__} where a Step was expected")
-        reply = await run_step(worker, message, records, timeout_s)
-        await channel.send(reply)
-        if isinstance(reply, wire.StepFailed) and reply.fatal:
-            return
-
-
-async def run_step(
-    worker: Worker, message: wire.Step, records: Records, timeout_s: float
-) -> wire.StepDone | wire.StepFailed:
-    """Run one step under the fan-in deadline; every failure becomes a ``StepFailed``.
-
-    On a sharded rank (tensor parallelism), a step whose forward stage did not complete
-    is ``fatal``: the other ranks may be waiting in, or past, a collective this rank
-    never reached, and the next step's collectives would pair with the wrong tensors.
-    A failure after the forward pass (sample, save, finished, a connector's save) leaves
-    the group in step and fails only the step.
-    """
-    step_id = message.scheduler_output.step_id
-    report: StepReport | None = None
-    try:
-        scheduler_output = wire.decode_metadata(message)
-        with anyio.fail_after(timeout_s):
-            output = await worker.step(scheduler_output)
-    except WorkerFailedError as exc:
-        report = exc.report if isinstance(exc.report, StepReport) else None
-        reason = exc.reason
-    except TimeoutError:
-        reason = f"no output within the fan-in deadline of {timeout_s}s"
-    except Exception as exc:  # metadata that does not decode, ...
-        reason = repr(exc)
-    else:
-        return wire.StepDone(output, records.take(), _bound(worker))
-    if report is None:  # cut at the deadline: the step log still has its report
-        report = next(
-            (r.report for r in reversed(records.items) if r.report.step_id == step_id), None
-        )
-    fatal = _sharded(worker) and not _forward_completed(report)
-    if fatal:
-        _log.error("tensor_parallel_step_broken", step_id=step_id, reason=reason)
-    return wire.StepFailed(
-        worker.rank, step_id, reason, report, records.take(), _bound(worker), fatal=fatal
-    )
-
-
-def _sharded(worker: Worker) -> bool:
-    tp = getattr(worker.runner, "tp", None)
-    return bool(tp is not None and tp.sharded)
-
-
-def _forward_completed(report: StepReport | None) -> bool:
-    if report is None:
-        return False
-    return any(r.name == "forward" and r.outcome == "ok" for r in report.stages)
-
-
-def _bound(worker: Worker) -> bool:
-    return worker.connector is not None and worker.connector.connector_metadata is not None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         try:
-            await serve(channel, worker, records, EngineConfig(**init.config).fan_in_timeout_s)
+            config = EngineConfig(**init.config)
+            types = connector_metadata_types(config.connector)
+            await serve(channel, worker, records, config.fan_in_timeout_s, types)
         finally:
             with anyio.CancelScope(shield=True):
                 await worker.aclose()

@@ -1,8 +1,8 @@
 """The fan-in aggregator: merges one step's ``WorkerOutput`` of every rank.
 
 Merging is associative and order-free: sampled tokens come from the driver rank (0),
-load-error block ids and failed saves are unioned, stats are merged (bytes summed,
-tokens counted once: every rank moves the same tokens). A request's
+load-error block ids, failed saves and per-request errors are unioned, stats are
+merged (bytes summed, tokens counted once: every rank moves the same tokens). A request's
 ``finished_sending`` / ``finished_recving`` is released to the scheduler only once
 **every** rank has reported it, possibly in different steps. Unlike vLLM's
 ``KVOutputAggregator``, which counts occurrences, the aggregator keeps the *set* of ranks
@@ -122,6 +122,7 @@ class FanInAggregator:
         sampled: dict[str, int] = {}
         invalid: set[int] = set()
         failed_saves: set[str] = set()
+        errors: dict[str, tuple[int, str]] = {}
         stats = KVStats()
         count = 0
         for out in outputs:
@@ -131,6 +132,9 @@ class FanInAggregator:
                 sampled.update(out.sampled_token_ids)
             invalid |= out.invalid_block_ids
             failed_saves |= out.failed_save_req_ids
+            for req_id, reason in out.request_errors.items():
+                if req_id not in errors or out.rank < errors[req_id][0]:
+                    errors[req_id] = (out.rank, reason)
             stats = stats.merge(out.stats)
             self._absorb(out, step_id, now)
         finished = {kind: self._release_ready(kind) for kind in _KINDS}
@@ -147,6 +151,7 @@ class FanInAggregator:
             missing_ranks=missing,
             invalid_block_ids=frozenset(invalid),
             failed_save_req_ids=frozenset(failed_saves),
+            request_errors={req_id: reason for req_id, (_, reason) in errors.items()},
             stats=stats,
             num_ranks=count,
         )

@@ -132,4 +132,9 @@ class FanInStage:
             # (``__cause__``), never again as ``__context__``.
             self.aggregator.record(step_id, answered)
             raise error
-        return self.aggregator.merge(step_id, answered)
+        merged = self.aggregator.merge(step_id, answered)
+        if not pending.request_errors:
+            return merged
+        return attrs.evolve(
+            merged, request_errors={**pending.request_errors, **merged.request_errors}
+        )

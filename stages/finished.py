@@ -33,7 +33,8 @@ class FinishedStage:
 
     async def run(self, ctx: StepContext) -> WorkerOutput:
         scheduler_output = ctx.get(SchedulerOutput)
-        sampled = ctx.get(SampledTokens).token_ids
+        samples = ctx.get(SampledTokens)
+        sampled = samples.token_ids
         failed_saves = ctx.get(SaveResult).failed_req_ids
         loads = ctx.maybe(LoadStarted)
         if self.connector is None or loads is None or not loads.started:
@@ -42,6 +43,7 @@ class FinishedStage:
                 step_id=scheduler_output.step_id,
                 sampled_token_ids=sampled,
                 failed_save_req_ids=failed_saves,
+                request_errors=samples.errors,
             )
         finished = await self.connector.get_finished(scheduler_output.finished_req_ids)
         loaded_tokens, loaded_bytes, saved_tokens, saved_bytes = self.connector.get_kv_stats()
@@ -53,6 +55,7 @@ class FinishedStage:
             finished_recving=frozenset(finished.recving),
             invalid_block_ids=frozenset(self.connector.get_block_ids_with_load_errors()),
             failed_save_req_ids=failed_saves,
+            request_errors=samples.errors,
             stats=KVStats(
                 loaded_tokens=loaded_tokens,
                 loaded_bytes=loaded_bytes,

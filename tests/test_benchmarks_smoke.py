@@ -14,6 +14,7 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 TINY_ARGS = {
     "step_overhead.py": ["--steps", "50"],
     "crash_consistency.py": ["--trials", "3"],
+    "detokenize.py": ["--lengths", "50", "--repeats", "1"],
     "layer_overlap.py": ["--prefix-len", "64", "--new-len", "8", "--repeats", "1"],
     "kv_reuse.py": ["--prompts", "1", "--prompt-len", "64"],
     "throughput.py": [

@@ -6,9 +6,10 @@ Registered as ``"redis"`` (needs the ``redis`` package: ``pip install kvstep[red
 
 One framed value per block (``connectors.framing``) under
 ``key_prefix + fingerprint key + ":" + block hash hex``, pipelined lookups, reads and
-writes, an optional TTL. A server that is down or slow costs hits (misses, load errors
-that are recomputed, failed saves), never a request or the engine. Options: see
-:class:`RedisOptions`.
+writes, an optional TTL (default: none). A server that is down or slow costs hits
+(misses, load errors that are recomputed, failed saves), never a request or the engine.
+The password comes from ``password_env``/``password_file`` and is never shown; with
+``hmac_key_env`` every value is signed. Options: see :class:`RedisOptions`.
 """
 
 from connectors.redis_store.loader import RedisLoadJob

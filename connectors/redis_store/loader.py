@@ -5,8 +5,9 @@ A :class:`RedisLoadJob` runs on the worker's loader thread: one pipelined ``GET`
 its blocks, a full verification of each value (``connectors.framing.decode_block``),
 then one copy per layer into the paged cache, setting that layer's
 ``threading.Event`` as soon as it lands, so ``wait_for_layer_load(i)`` waits for layer
-``i`` only. A block that is missing, corrupt or unreadable (server down, socket
-timeout) is a failed block, never an exception into a waiter.
+``i`` only. A block that is missing, corrupt, unsigned or wrongly signed (with a key) or
+unreadable (server down, socket timeout) is a failed block, never an exception into a
+waiter.
 
 Cancellation (a timed-out wait, a failed step) takes the job's lock, which every layer
 copy holds: once :meth:`RedisLoadJob.cancel` returns, the job writes nothing more into
@@ -23,6 +24,7 @@ import redis
 import torch
 
 from connectors.framing import decode_block
+from connectors.integrity import FrameSigner
 from connectors.redis_store.metadata import BlockTransfer
 from connectors.redis_store.store import RateLimitedLog, RedisStore
 from pipeline.errors import FrameError
@@ -42,6 +44,7 @@ class RedisLoadJob:
         frame_keys: The key each value must name (same order).
         kv_caches: The paged cache, one ``[2, num_blocks, block_size, h, d]`` per layer.
         deadline: ``time.monotonic()`` after which waiters give up.
+        signer: With a key, every value must carry a valid tag (else a failed block).
     """
 
     def __init__(
@@ -51,7 +54,9 @@ class RedisLoadJob:
         frame_keys: Sequence[bytes],
         kv_caches: Sequence[torch.Tensor],
         deadline: float,
+        signer: FrameSigner | None = None,
     ) -> None:
+        self.signer = signer
         self.loads = tuple(loads)
         self.keys = tuple(keys)
         self.frame_keys = tuple(frame_keys)
@@ -120,7 +125,12 @@ class RedisLoadJob:
                 if value is None:
                     raise FrameError("value", "a stored block", "missing")
                 layers = decode_block(
-                    value, frame_key, num_layers=len(self.kv_caches), layer_shape=shape, dtype=dtype
+                    value,
+                    frame_key,
+                    num_layers=len(self.kv_caches),
+                    layer_shape=shape,
+                    dtype=dtype,
+                    signer=self.signer,
                 )
             except FrameError as exc:
                 warn.warning("redis: bad value, load error", block_id=load.block_id, error=str(exc))

@@ -59,7 +59,8 @@ class RedisStore:
     """A client of one Redis/Valkey server with the connector's round trips.
 
     Args:
-        options: The connector's options (url, password, TLS, pool size, TTL).
+        options: The connector's options (url, password, TLS, pool size, TTL). The
+            password is revealed to the client only; nothing of this store prints it.
         timeout_s: Socket (and connect) timeout of every command of this store.
 
     Every method blocks for at most about ``timeout_s`` (twice on a reconnect), is
@@ -71,13 +72,16 @@ class RedisStore:
         self.options = options
         self.client = redis.Redis.from_url(
             options.client_url,
-            password=options.password,
+            password=None if options.password is None else options.password.reveal(),
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             max_connections=options.pool_size,
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
             decode_responses=False,
         )
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.options.url!r}, key_prefix={self.options.key_prefix!r})"
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key exists: one pipelined round trip of ``EXISTS``."""

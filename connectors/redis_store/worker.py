@@ -105,6 +105,7 @@ class RedisWorker(StoreWorker):
             [self.frame_key(t.block_hash) for t in loads],
             self.kv_caches,
             deadline=time.monotonic() + self.options.load_timeout_s,
+            signer=self.options.signer,
         )
         self._job = job
         self._loader.submit(job.run, self.store, self._warn)
@@ -144,7 +145,10 @@ class RedisWorker(StoreWorker):
         position = {t.block_id: n for n, t in enumerate(self._step.saves)}
         items = []
         for save in saves:
-            value = encode_block(self.frame_key(save.block_hash), blocks[position[save.block_id]])
+            layers = blocks[position[save.block_id]]
+            value = encode_block(
+                self.frame_key(save.block_hash), layers, signer=self.options.signer
+            )
             items.append((self.key(save.block_hash), value))
         self.store.set_many(items)
 

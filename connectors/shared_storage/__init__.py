@@ -1,14 +1,17 @@
 """The ``shared_storage`` connector: KV blocks in a directory shared across engines.
 
 One framed safetensors value per block (:mod:`connectors.framing`) at
-``path / <fingerprint key> / <hash hex[:2]> / <hash hex>.kv``, written atomically,
-verified on every read. Options: ``path`` (required), ``max_bytes``, ``load_timeout_s``,
-``stale_temp_s`` (see :class:`SharedStorageOptions`).
+``path / <fingerprint key> / <hash hex[:2]> / <hash hex>.kv`` (every file name:
+:mod:`connectors.shared_storage.naming`), written atomically, verified on every read,
+private to its user by default. Options: ``path`` (required), ``max_bytes``,
+``load_timeout_s``, ``stale_temp_s``, ``allow_shared``, ``hmac_key_env`` (see
+:class:`SharedStorageOptions`, which also says why ``hash_seed`` should be secret).
 """
 
 from __future__ import annotations
 
 from connectors.registry import register_connector
+from connectors.shared_storage import naming
 from connectors.shared_storage.metadata import BlockRef, SharedStorageMetadata
 from connectors.shared_storage.options import SHARED_STORAGE_OPTIONS, SharedStorageOptions
 from connectors.shared_storage.scheduler import SharedStorageScheduler
@@ -24,6 +27,7 @@ __all__ = [
     "SharedStorageScheduler",
     "SharedStorageWorker",
     "SharedStorageWorkerStats",
+    "naming",
     "write_atomic",
 ]
 

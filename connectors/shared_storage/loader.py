@@ -6,11 +6,12 @@ header, then for layer 0, 1, ... reads that layer of every block (lazy per-layer
 each checksum verified) and copies it into the paged cache, then sets the layer's
 ``threading.Event`` so ``wait_for_layer_load(i)`` waits for layer ``i`` only.
 
-A block that is missing, truncated or corrupt is a load error (logged), never wrong
-data. A load the forward thread gave up on (deadline) is **abandoned**: under the load's
-lock the abandoned flag is set, and the reader checks that flag under the same lock
-before each copy into the paged cache, so once :meth:`StoreLoad.abandon` returns, the
-reader never writes into the cache again; it exits by itself at its next check.
+A block that is missing, truncated, corrupt, unsigned or wrongly signed (with a key),
+or not a regular file (a planted symlink) is a load error (logged), never wrong data.
+A load the forward thread gave up on (deadline) is **abandoned**: under the load's lock
+the abandoned flag is set, and the reader checks that flag under the same lock before
+each copy into the paged cache, so once :meth:`StoreLoad.abandon` returns, the reader
+never writes into the cache again; it exits by itself at its next check.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from connectors.framing import iter_layers
+from connectors.integrity import FrameSigner
 from connectors.shared_storage.metadata import BlockRef
 from connectors.shared_storage.store import DiskStore
 from pipeline.errors import FrameError, InvalidConfigError
@@ -41,8 +43,10 @@ def open_block(
     layer_shape: tuple[int, ...],
     dtype: torch.dtype,
     num_layers: int,
+    signer: FrameSigner | None = None,
 ) -> _Layers:
-    """A verified per-layer reader of one block's value (header checked on open).
+    """A verified per-layer reader of one block's value (header checked on open; with
+    ``signer``, the tag checked before the last layer is yielded).
 
     Tests replace this (module attribute) to make the store slow or faulty.
 
@@ -51,7 +55,9 @@ def open_block(
     """
     path = store.path_for(fp_key, ref.block_hash)
     key = fp_key.encode() + ref.block_hash
-    layers = iter_layers(path, key, num_layers=num_layers, layer_shape=layer_shape, dtype=dtype)
+    layers = iter_layers(
+        path, key, num_layers=num_layers, layer_shape=layer_shape, dtype=dtype, signer=signer
+    )
     # Prime the generator: opens the file and verifies the header before layer 0's read.
     first = next(layers)
     store.touch(path)
@@ -71,6 +77,7 @@ class StoreLoad:
         fp_key: This rank's fingerprint key.
         refs: The blocks to load.
         kv_caches: The paged cache, one tensor per layer.
+        signer: With a key, every value must carry a valid tag.
     """
 
     def __init__(
@@ -79,8 +86,10 @@ class StoreLoad:
         fp_key: str,
         refs: Sequence[BlockRef],
         kv_caches: Sequence[torch.Tensor],
+        signer: FrameSigner | None = None,
     ) -> None:
         self.store = store
+        self.signer = signer
         self.fp_key = fp_key
         self.refs = tuple(refs)
         self.kv_caches = list(kv_caches)
@@ -158,7 +167,9 @@ class StoreLoad:
             if self.abandoned:
                 return
             try:
-                readers[block_hash] = open_block(self.store, self.fp_key, refs[0], shape, dtype, n)
+                readers[block_hash] = open_block(
+                    self.store, self.fp_key, refs[0], shape, dtype, n, self.signer
+                )
             except (OSError, FrameError, InvalidConfigError, StopIteration) as exc:
                 for ref in refs:
                     self._fail(ref, exc)

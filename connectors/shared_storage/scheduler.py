@@ -38,7 +38,7 @@ class SharedStorageScheduler(StoreScheduler):
         options = SharedStorageOptions.from_options(context.options)  # before the fingerprint
         super().__init__(context)
         self.options = options
-        self.store = DiskStore(self.options.path)
+        self.store = DiskStore(self.options.path, allow_shared=self.options.allow_shared)
         self._loaded: set[bytes] = set()  # hashes loaded in the step being built
         self._seen: set[bytes] = set()  # hashes saved in the step being built
 

@@ -1,17 +1,28 @@
 """``DiskStore``: one framed value per block in a directory tree, written atomically.
 
-Layout: ``root / <fingerprint key> / <hash hex[:2]> / <hash hex>.kv``. Both names are
-hex digests, checked as such, and every path is resolved and checked to lie under the
-root before any open or unlink, so a stored key can never escape the directory.
+Layout and file names: :mod:`connectors.shared_storage.naming` (``root / <fingerprint
+key> / <hash hex[:2]> / <hash hex>.kv``). Both names are hex digests, checked as such,
+and every directory is resolved and checked to lie under the root before any open or
+unlink, so a stored key can never escape the directory.
 
-A write goes to a unique temp file in the target's directory
-(``.<name>.<pid>.<uuid>.tmp``), is flushed and fsynced, renamed over the target with
-``os.replace`` and the directory is fsynced: a reader sees the old value, the new one or
-none, never a torn one. Leftover temp files of crashed writers are removed by
-:meth:`DiskStore.clean_stale_temps`.
+**Privacy**: the KV of a prompt reveals the prompt, so the store is private by default:
+directories it creates are ``0700``, files ``0600`` (exactly, whatever the umask), and a
+root owned by another user or writable by group or others is refused
+(``InvalidConfigError``) unless ``allow_shared=True`` — then directories are ``0770``
+and files ``0660``, for a group that shares the store (use ``hmac_key_env`` then: any
+member can write). A value that is not a regular file (a planted symlink) is a miss,
+logged, never followed.
 
-Thread-safe: methods share no mutable state except the size estimate (under a lock).
-Every method may block on disk I/O; call them off the event loop.
+A write goes to a unique temp file in the target's directory (:func:`naming.temp_name`:
+host, pid, random), is flushed and fsynced, renamed over the target with ``os.replace``
+and the directory is fsynced: a reader sees the old value, the new one or none, never a
+torn one. Leftover temp files of crashed writers are removed by
+:meth:`DiskStore.clean_stale_temps`: this host's of a dead process, and any older than
+the age limit (never another host's fresh one: its pid means nothing here).
+
+Thread-safe: methods share no mutable state except the size estimate and the set of
+paths already warned about (under a lock). Every method may block on disk I/O; call
+them off the event loop.
 """
 
 from __future__ import annotations
@@ -19,21 +30,30 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import threading
 import time
-import uuid
 from pathlib import Path
 
+from connectors.shared_storage.modes import PRIVATE, SHARED, check_root, mkdir_exact
+from connectors.shared_storage.naming import (
+    SUFFIX,
+    TEMP_GLOB,
+    VALUE_GLOB,
+    parse_temp,
+    temp_name,
+    this_host,
+    value_name,
+)
 from pipeline.errors import InvalidConfigError
 from pipeline.logs import get_logger
 
-__all__ = ["DiskStore", "write_atomic"]
+__all__ = ["SUFFIX", "DiskStore", "write_atomic"]
 
 log = get_logger()
 
 _HEX = re.compile(r"[0-9a-f]+")
-_TEMP = re.compile(r"\..+\.(\d+)\.[0-9a-f]{32}\.tmp")
-SUFFIX = ".kv"
+_MAX_WARNED = 1024  # planted paths remembered so that each is logged once
 
 
 def _fsync_dir(path: Path) -> None:
@@ -44,18 +64,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync the dir).
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync the dir);
+    the file gets exactly ``mode``.
 
     Raises:
         OSError: The write failed (disk full, permission); no partial ``path`` remains.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    tmp = path.with_name(temp_name(path.name))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, flags | getattr(os, "O_CLOEXEC", 0), mode)
+        with open(fd, "wb") as f:
+            os.fchmod(fd, mode)  # exactly mode, whatever the umask
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -68,7 +92,7 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True
 
@@ -77,15 +101,23 @@ class DiskStore:
     """The directory of one shared store.
 
     Args:
-        root: The store's directory; created if missing.
+        root: The store's directory; created (``0700``) if missing.
+        allow_shared: Accept a root another user owns or others may write, and create
+            group-accessible directories and files (module docstring).
 
     Raises:
-        InvalidConfigError: ``root`` exists and is not a directory, or cannot be created.
+        InvalidConfigError: ``root`` exists and is not a directory, cannot be created,
+            or (without ``allow_shared``) is another user's or writable by others.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, allow_shared: bool = False) -> None:
+        self.allow_shared = allow_shared
+        self._dir_mode, self._file_mode = SHARED if allow_shared else PRIVATE
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            if not root.exists():
+                root.parent.mkdir(parents=True, exist_ok=True)
+                mkdir_exact(root, self._dir_mode)
+            check_root(root, allow_shared)
         except OSError as exc:
             raise InvalidConfigError(
                 "connector_options['path']", str(root), f"must be a usable directory ({exc})"
@@ -93,6 +125,19 @@ class DiskStore:
         self.root = root.resolve()
         self._lock = threading.Lock()
         self._size: int | None = None  # estimate of the bytes stored; None: not scanned
+        self._warned: set[str] = set()
+
+    def _warn_planted(self, path: Path, why: str) -> None:
+        """Log a planted path (a miss) once per path."""
+        with self._lock:
+            if str(path) in self._warned:
+                return
+            if len(self._warned) >= _MAX_WARNED:
+                self._warned.clear()
+            self._warned.add(str(path))
+        log.warning(
+            "shared_storage: not a stored value, treated as a miss", path=str(path), why=why
+        )
 
     def path_for(self, fingerprint_key: str, block_hash: bytes) -> Path:
         """Where the value of ``block_hash`` under ``fingerprint_key`` lives.
@@ -106,8 +151,8 @@ class DiskStore:
         name = block_hash.hex()
         if not name:
             raise InvalidConfigError("block hash", block_hash, "a non-empty hash")
-        path = self.root / fingerprint_key / name[:2] / f"{name}{SUFFIX}"
-        self.check_inside(path)
+        path = self.root / fingerprint_key / name[:2] / value_name(block_hash)
+        self.check_inside(path.parent)  # the file itself is never followed (O_NOFOLLOW)
         return path
 
     def check_inside(self, path: Path) -> Path:
@@ -122,40 +167,64 @@ class DiskStore:
         return resolved
 
     def contains(self, fingerprint_key: str, block_hash: bytes) -> bool:
-        """Whether a value exists (not whether it is valid: loads verify)."""
-        return self.path_for(fingerprint_key, block_hash).is_file()
+        """Whether a value exists (not whether it is valid: loads verify). A symlink or
+        other non-regular file, or a directory linked out of the root, is a miss
+        (logged once)."""
+        try:
+            path = self.path_for(fingerprint_key, block_hash)
+        except InvalidConfigError as exc:
+            self._warn_planted(self.root / fingerprint_key, exc.allowed)
+            return False
+        try:
+            mode = path.lstat().st_mode
+        except OSError:
+            return False
+        if not stat.S_ISREG(mode):
+            self._warn_planted(path, "a symlink" if stat.S_ISLNK(mode) else "not a regular file")
+            return False
+        return True
 
     def write(self, fingerprint_key: str, block_hash: bytes, data: bytes) -> None:
-        """Store ``data`` atomically (see :func:`write_atomic`).
+        """Store ``data`` atomically (see :func:`write_atomic`); a symlink planted at
+        the value's path is replaced, never followed.
 
         Raises:
             OSError: The write failed; nothing partial is visible.
+            InvalidConfigError: A directory on the way links out of the root.
         """
         path = self.path_for(fingerprint_key, block_hash)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, data)
+        mkdir_exact(path.parent.parent, self._dir_mode)
+        mkdir_exact(path.parent, self._dir_mode)
+        self.check_inside(path.parent)
+        write_atomic(path, data, self._file_mode)
         with self._lock:
             if self._size is not None:
                 self._size += len(data)
 
     def touch(self, path: Path) -> None:
         """Refresh ``path``'s access time (LRU order; mounts may not do it on read)."""
-        with contextlib.suppress(OSError):
-            os.utime(self.check_inside(path))
+        with contextlib.suppress(OSError, InvalidConfigError):
+            self.check_inside(path.parent)
+            os.utime(path, follow_symlinks=False)
 
     def discard(self, path: Path) -> None:
-        """Remove a value (a corrupt one); missing is fine."""
+        """Remove a value (a corrupt one) — the link itself if it is one; missing is
+        fine."""
         try:
-            self.check_inside(path).unlink(missing_ok=True)
+            (self.check_inside(path.parent) / path.name).unlink(missing_ok=True)
+        except InvalidConfigError:
+            return
         except OSError as exc:
             log.warning("shared_storage: could not remove a value", path=str(path), error=repr(exc))
 
     def _values(self) -> list[tuple[float, int, Path]]:
         out = []
-        for path in self.root.glob(f"*/*/*{SUFFIX}"):
+        for path in self.root.glob(VALUE_GLOB):
             try:
-                st = path.stat()
+                st = path.lstat()
             except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
                 continue
             out.append((max(st.st_atime, st.st_mtime), st.st_size, path))
         return out
@@ -187,20 +256,23 @@ class DiskStore:
         return removed
 
     def clean_stale_temps(self, max_age_s: float) -> int:
-        """Remove temp files older than ``max_age_s`` or of a dead process (this machine).
+        """Remove temp files older than ``max_age_s``, and this host's of a dead
+        process. Another host's fresh temp file (and one of an older, host-less name)
+        is left alone: its pid means nothing here, so only age can tell it is stale.
 
         Returns:
             The number removed.
         """
-        now, removed = time.time(), 0
-        for path in self.root.glob("*/*/.*.tmp"):
-            match = _TEMP.fullmatch(path.name)
-            if match is None:
+        now, removed, host = time.time(), 0, this_host()
+        for path in self.root.glob(TEMP_GLOB):
+            name = parse_temp(path.name)
+            if name is None:
                 continue
             try:
-                old = now - path.stat().st_mtime > max_age_s
-                if old or not _pid_alive(int(match.group(1))):
-                    self.check_inside(path).unlink(missing_ok=True)
+                old = now - path.lstat().st_mtime > max_age_s
+                dead = name.host == host and not _pid_alive(name.pid)
+                if old or dead:
+                    (self.check_inside(path.parent) / path.name).unlink(missing_ok=True)
                     removed += 1
             except (OSError, InvalidConfigError):
                 continue

@@ -75,7 +75,7 @@ class SharedStorageWorker(StoreWorker):
         options = SharedStorageOptions.from_options(context.options)  # before the fingerprint
         super().__init__(context)
         self.options = options
-        self.store = DiskStore(self.options.path)
+        self.store = DiskStore(self.options.path, allow_shared=self.options.allow_shared)
         self.store.clean_stale_temps(self.options.stale_temp_s)
         self._load: StoreLoad | None = None
         self._abandoned: list[StoreLoad] = []
@@ -106,7 +106,9 @@ class SharedStorageWorker(StoreWorker):
         refs = meta.loads()
         if refs and self.kv_caches:
             step.load_req = {ref.block_id: ref.req_id for ref in refs}
-            self._load = StoreLoad(self.store, self.fingerprint_key, refs, self.kv_caches)
+            self._load = StoreLoad(
+                self.store, self.fingerprint_key, refs, self.kv_caches, self.options.signer
+            )
             self._load.start()
 
     def wait_for_layer_load(self, layer: int) -> None:
@@ -174,7 +176,8 @@ class SharedStorageWorker(StoreWorker):
         """Frame and write one block (writer thread); skips values already stored."""
         if self.store.contains(self.fingerprint_key, ref.block_hash):
             return
-        data = encode_block(self.fingerprint_key.encode() + ref.block_hash, layers)
+        key = self.fingerprint_key.encode() + ref.block_hash
+        data = encode_block(key, layers, signer=self.options.signer)
         self.store.write(self.fingerprint_key, ref.block_hash, data)
 
     async def wait_for_save(self) -> frozenset[str]:

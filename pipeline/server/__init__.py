@@ -5,7 +5,18 @@ port)`` runs it under uvicorn (``kvstep serve``).
 """
 
 from pipeline.server.app import ServerState, create_app
-from pipeline.server.launch import main, serve
+from pipeline.server.launch import add_server_flags, main, serve, server_options
 from pipeline.server.metrics import LoopLagMonitor, ServerMetrics
+from pipeline.server.options import ServerOptions
 
-__all__ = ["LoopLagMonitor", "ServerMetrics", "ServerState", "create_app", "main", "serve"]
+__all__ = [
+    "LoopLagMonitor",
+    "ServerMetrics",
+    "ServerOptions",
+    "ServerState",
+    "add_server_flags",
+    "create_app",
+    "main",
+    "serve",
+    "server_options",
+]

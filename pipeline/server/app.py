@@ -4,31 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pipeline.async_engine import AsyncEngine, RequestStream
+from pipeline.async_engine import AsyncEngine
 from pipeline.config import EngineConfig
-from pipeline.errors import EngineDeadError, EngineOverloaded, InvalidRequestError
+from pipeline.errors import EngineDeadError
 from pipeline.logs import get_logger
-from pipeline.request import RequestOutput
+from pipeline.server.completions import completions
+from pipeline.server.errors import error_body, exception_handlers
 from pipeline.server.metrics import LoopLagMonitor, ServerMetrics
-from pipeline.server.schemas import (
-    CompletionRequest,
-    Detokenizer,
-    completion_body,
-    error_body,
-    parse_completion_request,
-    usage,
-)
+from pipeline.server.middleware import GuardMiddleware
+from pipeline.server.options import ServerOptions
+from pipeline.server.prompt import PromptEncoder
 from pipeline.tokenizer import load_tokenizer
 
 __all__ = ["ServerState", "create_app"]
@@ -45,14 +40,30 @@ class ServerState:
         metrics: This app's Prometheus metrics.
         lag: The event-loop lag monitor of the serving loop.
         tokenizer: A Hugging Face tokenizer, or ``None`` (token-id prompts only).
+        options: The server's limits (body cap, timeouts, API key).
+        encoder: Encodes text prompts (off the loop, refusing what cannot fit).
+        parse_limiter: Worker threads for parsing large bodies, apart from the
+            engine's own threads so a flood of bodies cannot starve its steps.
     """
 
-    def __init__(self, model_name: str, given: AsyncEngine | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        given: AsyncEngine | None = None,
+        *,
+        tokenizer: Any = None,
+        max_model_len: int,
+        options: ServerOptions | None = None,
+    ) -> None:
         self.engine: AsyncEngine | None = None
         self.model_name = model_name
         self.metrics = ServerMetrics()
         self.lag = LoopLagMonitor()
-        self.tokenizer: Any = None
+        self.tokenizer: Any = tokenizer
+        self.options = options or ServerOptions()
+        self.max_model_len = max_model_len
+        self.encoder = PromptEncoder(tokenizer, max_model_len)
+        self.parse_limiter = anyio.CapacityLimiter(2)
         self._given = given
 
     def running_engine(self) -> AsyncEngine:
@@ -66,6 +77,22 @@ class ServerState:
         if self.engine is None:
             raise EngineDeadError("the server's engine is not running")
         return self.engine
+
+    def unavailable_reason(self) -> str | None:
+        """Why the engine cannot serve (``"engine is dead"``, ...), or ``None``.
+
+        Generic on purpose: ``/health`` is unauthenticated, and the cause (a worker's
+        PID, an exception) is in the log.
+        """
+        try:
+            engine = self.running_engine()
+        except EngineDeadError:
+            return "engine is not running"
+        if engine.is_dead:
+            return "engine is dead"
+        if not engine.is_running:
+            return "engine is not running"
+        return None
 
     def attach(self, engine: AsyncEngine) -> None:
         """Serve ``engine`` (already running) and feed its step reports to the metrics."""
@@ -87,6 +114,7 @@ def create_app(
     *,
     model_name: str | None = None,
     freeze_gc: bool = False,
+    options: ServerOptions | None = None,
 ) -> Starlette:
     """Build the ASGI app serving ``engine``.
 
@@ -104,16 +132,26 @@ def create_app(
             them, triggered by a burst of requests, stalled the loop for 220-260 ms in a
             200-client burst (35-77 ms with the freeze). Process-wide, so it is off for
             embedders and on for ``kvstep serve``, which owns its process.
+        options: Body cap, body timeout and API key (:class:`ServerOptions`); the
+            connection-level options (header and keep-alive timeouts, concurrency)
+            apply where uvicorn runs the app (:func:`pipeline.server.serve`).
 
     Returns:
         A Starlette app with ``POST /v1/completions``, ``GET /v1/models``,
         ``GET /health`` and ``GET /metrics``. The app's state lives in
-        ``app.state.kvstep`` (a :class:`ServerState`).
+        ``app.state.kvstep`` (a :class:`ServerState`). Errors are OpenAI-shaped JSON
+        (``pipeline.server.errors``).
     """
     config = engine if isinstance(engine, EngineConfig) else engine.config
     given = engine if isinstance(engine, AsyncEngine) else None
-    state = ServerState(model_name or config.model, given)
-    state.tokenizer = load_tokenizer(config.model)
+    options = options or ServerOptions()
+    state = ServerState(
+        model_name or config.model,
+        given,
+        tokenizer=load_tokenizer(config.model),
+        max_model_len=config.max_model_len,
+        options=options,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -134,118 +172,22 @@ def create_app(
 
     app = Starlette(
         routes=[
-            Route("/v1/completions", _completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", _models, methods=["GET"]),
             Route("/health", _health, methods=["GET"]),
             Route("/metrics", _metrics, methods=["GET"]),
         ],
-        exception_handlers={
-            InvalidRequestError: _error_handler(400, "invalid_request_error"),
-            EngineOverloaded: _error_handler(429, "overloaded"),
-            EngineDeadError: _error_handler(503, "engine_dead"),
-        },
+        middleware=[Middleware(GuardMiddleware, api_key=options.api_key_bytes())],
+        exception_handlers=exception_handlers(),
         lifespan=lifespan,
     )
     app.state.kvstep = state
     return app
 
 
-def _error_handler(code: int, kind: str) -> Any:
-    async def handle(request: Request, exc: Exception) -> Response:
-        return JSONResponse(error_body(str(exc), kind, code), status_code=code)
-
-    return handle
-
-
 def _state(request: Request) -> ServerState:
     state: ServerState = request.app.state.kvstep
     return state
-
-
-async def _completions(request: Request) -> Response:
-    state = _state(request)
-    try:
-        body = await request.json()
-    except ValueError as exc:
-        raise InvalidRequestError("body", "not JSON", f"must be a JSON object ({exc})") from exc
-    parsed = parse_completion_request(body)
-    if parsed.model is not None and parsed.model != state.model_name:
-        message = f"model {parsed.model!r} is not served; the served model is {state.model_name!r}"
-        return JSONResponse(error_body(message, "not_found_error", 404), status_code=404)
-    prompt = _prompt_ids(state, parsed)
-    stream = state.running_engine().generate(prompt, parsed.params)
-    if parsed.stream:
-        return StreamingResponse(
-            _sse(state, stream),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
-    return await _collect(state, stream)
-
-
-def _prompt_ids(state: ServerState, parsed: CompletionRequest) -> list[int]:
-    if isinstance(parsed.prompt, list):
-        return parsed.prompt
-    if state.tokenizer is None:
-        raise InvalidRequestError(
-            "prompt",
-            parsed.prompt[:40],
-            "text prompts need a tokenizer (tokenizer.json) in the model directory, "
-            "which this model has none of; pass the prompt as a list of token ids",
-        )
-    ids: list[int] = state.tokenizer.encode(parsed.prompt)
-    return ids
-
-
-async def _collect(state: ServerState, stream: RequestStream) -> Response:
-    detok = Detokenizer(state.tokenizer)
-    text: list[str] = []
-    last: RequestOutput | None = None
-    try:
-        async for out in stream:
-            text.append(detok.delta(out))
-            last = out
-    finally:
-        await stream.aclose()
-    if last is None:  # the engine closed the stream without an output
-        raise EngineDeadError("the engine ended the request without output")
-    _count_finished(state, last)
-    body = completion_body(
-        stream.request_id, state.model_name, "".join(text), last.token_ids,
-        last.finish_reason, usage(last),
-    )  # fmt: skip
-    return JSONResponse(body)
-
-
-async def _sse(state: ServerState, stream: RequestStream) -> AsyncIterator[str]:
-    """Server-sent events; cancelled (client gone) it aborts the request."""
-    detok = Detokenizer(state.tokenizer)
-    created = int(time.time())
-    finished = False
-    try:
-        async for out in stream:
-            if not out.new_token_ids and not out.finished:
-                continue
-            if out.finished:
-                finished = True
-                _count_finished(state, out)
-            body = completion_body(
-                stream.request_id, state.model_name, detok.delta(out), out.new_token_ids,
-                out.finish_reason if out.finished else None,
-                usage(out) if out.finished else None, created,
-            )  # fmt: skip
-            yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
-    except EngineDeadError as exc:
-        yield f"data: {json.dumps(error_body(str(exc), 'engine_dead', 503))}\n\n"
-    finally:
-        if not finished:  # the client went away (or the engine died): abort
-            state.metrics.requests.labels("abort").inc()
-        await stream.aclose()
-
-
-def _count_finished(state: ServerState, out: RequestOutput) -> None:
-    state.metrics.requests.labels(out.finish_reason or "unknown").inc()
 
 
 async def _models(request: Request) -> Response:
@@ -255,7 +197,13 @@ async def _models(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
+    """200 with counters and the leak report while the engine serves; 503 otherwise."""
     state = _state(request)
+    reason = state.unavailable_reason()
+    if reason is not None:
+        body = {"status": "unavailable", "reason": reason}
+        body |= error_body(reason, "service_unavailable_error", "engine_unavailable")
+        return JSONResponse(body, status_code=503)
     engine = state.running_engine()
     return JSONResponse(
         {

@@ -4,23 +4,87 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 from pipeline.config import EngineConfig
 from pipeline.server.app import create_app
+from pipeline.server.options import API_KEY_ENV, ServerOptions
 
-__all__ = ["main", "serve"]
+__all__ = ["add_server_flags", "main", "serve", "server_options"]
 
 
-def serve(config: EngineConfig, host: str, port: int) -> None:
+def serve(config: EngineConfig, host: str, port: int, options: ServerOptions | None = None) -> None:
     """Serve an engine built from ``config`` on ``host:port`` until interrupted.
 
     Blocks the calling thread (uvicorn owns the event loop); SIGINT/SIGTERM shut the
     server down gracefully, which closes the engine (aborting what is in flight).
+    ``options`` sets the body cap and timeout, the API key, the header and keep-alive
+    timeouts and uvicorn's ``limit_concurrency`` (defaults: :class:`ServerOptions`).
     """
     import uvicorn
 
-    app = create_app(config, freeze_gc=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="on")
+    from pipeline.server.protocol import header_timeout_protocol
+
+    options = options or ServerOptions()
+    app = create_app(config, freeze_gc=True, options=options)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        http=header_timeout_protocol(options.header_timeout_s),
+        timeout_keep_alive=max(1, round(options.timeout_keep_alive_s)),
+        limit_concurrency=options.limit_concurrency,
+    )
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """The :class:`ServerOptions` flags (``--api-key``, ``--max-body-bytes``, ...)."""
+    defaults = ServerOptions()
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+        f"(default: ${API_KEY_ENV}; prefer the variable, argv is visible to other users)",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=defaults.max_body_bytes, help="413 past it"
+    )
+    parser.add_argument(
+        "--body-timeout", type=float, default=defaults.body_timeout_s, help="seconds; 408"
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=defaults.header_timeout_s,
+        help="seconds a connection may take to send a request's headers",
+    )
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=defaults.timeout_keep_alive_s,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    parser.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=defaults.limit_concurrency,
+        help="connections + requests at once; 503 past it (0: no limit)",
+    )
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """:class:`ServerOptions` from the flags of :func:`add_server_flags`."""
+    fields: dict[str, Any] = {
+        "api_key": args.api_key,
+        "max_body_bytes": args.max_body_bytes,
+        "body_timeout_s": args.body_timeout,
+        "header_timeout_s": args.header_timeout,
+        "timeout_keep_alive_s": args.timeout_keep_alive,
+        "limit_concurrency": args.limit_concurrency or None,
+    }
+    return ServerOptions.from_env(**fields)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -32,10 +96,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-queue-depth", type=int, default=None)
+    parser.add_argument("--executor", default=None)
+    parser.add_argument("--world-size", type=int, default=None)
+    add_server_flags(parser)
     args = parser.parse_args(argv)
     fields: dict[str, object] = {"model": args.model, "dtype": args.dtype}
-    if args.max_model_len is not None:
-        fields["max_model_len"] = args.max_model_len
-    if args.max_queue_depth is not None:
-        fields["max_queue_depth"] = args.max_queue_depth
-    serve(EngineConfig(**fields), args.host, args.port)  # type: ignore[arg-type]
+    for name in ("max_model_len", "max_queue_depth", "executor", "world_size"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    serve(EngineConfig(**fields), args.host, args.port, server_options(args))  # type: ignore[arg-type]

@@ -1,4 +1,12 @@
-"""OpenAI completions: request parsing and response bodies (plain JSON dicts).
+"""OpenAI completions: strict request parsing and response bodies (plain JSON dicts).
+
+Every known field is type-checked here, before ``SamplingParams`` sees it: a bool is not
+a number, integers must fit in 64 bits, floats must be finite, ``n`` is exactly 1 and
+lists are capped. Fields that would change what is generated but that kvstep does not
+implement yet (``stop``, ``logprobs``, ``echo``, ``best_of``, the penalties, ...) are
+refused with a 400 naming them, unless they hold their neutral value (``"echo": false``,
+``"presence_penalty": 0``), which clients often send. Other unknown fields are ignored
+and named in a warning log, never silently.
 
 Token text convention without a tokenizer: each generated token is written as a space
 followed by its id (``" 17 4 99"``), so the texts of stream chunks concatenate to the
@@ -8,18 +16,56 @@ text of the whole completion; every choice also carries the raw ids in ``token_i
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import attrs
 
-from pipeline.config import SamplingParams
+from pipeline.config import MAX_STOP_TOKEN_IDS, SamplingParams
 from pipeline.errors import InvalidRequestError
+from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
+from pipeline.server.errors import UnsupportedFieldError
 
-__all__ = ["CompletionRequest", "Detokenizer", "parse_completion_request"]
+__all__ = ["CompletionRequest", "parse_completion_request"]
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+_log = get_logger()
+_INT64 = 2**63
+_INTS = ("max_tokens", "top_k")
+_FLOATS = ("temperature", "top_p")
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "stop": ("", ()),
+    "logprobs": (False, 0),
+    "echo": (False,),
+    "best_of": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "min_tokens": (0,),
+    "min_p": (0,),
+    "prompt_logprobs": (False, 0),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "response_format": (),
+    "allowed_token_ids": (),
+    "bad_words": ((),),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "truncate_prompt_tokens": (),
+    "kv_transfer_params": (),
+}
+_KNOWN = frozenset(
+    {"model", "prompt", "stream", "stream_options", "n", "user", "seed", "ignore_eos"}
+    | {"stop_token_ids", *_INTS, *_FLOATS}
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -30,62 +76,168 @@ class CompletionRequest:
     prompt: list[int] | str
     params: SamplingParams
     stream: bool
+    include_usage: bool = True
 
 
-def parse_completion_request(body: object) -> CompletionRequest:
-    """Validate a decoded JSON body; raise ``InvalidRequestError`` naming the bad field."""
+def parse_completion_request(body: object, *, max_prompt_tokens: int) -> CompletionRequest:
+    """Validate a decoded JSON body; raise ``InvalidRequestError`` naming the bad field.
+
+    Args:
+        body: The decoded JSON.
+        max_prompt_tokens: Token-id prompts of this length or more are refused before
+            their ids are looked at (the engine refuses them anyway).
+    """
     if not isinstance(body, dict):
         raise InvalidRequestError("body", type(body).__name__, "must be a JSON object")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list | str):
-        prompt = prompt[0]  # a batch of one
-    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
-        raise InvalidRequestError(
-            "prompt", prompt, "must be a non-empty string or a non-empty list of token ids"
-        )
-    if isinstance(prompt, list) and not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        raise InvalidRequestError("prompt", prompt[:8], "must be a list of integer token ids")
-    n = body.get("n", 1)
-    if n != 1:
-        raise InvalidRequestError("n", n, "only n=1 is supported")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequestError("model", model, "must be a string")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequestError("stream", stream, "must be true or false")
-    fields: dict[str, Any] = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list):
-            raise InvalidRequestError("stop_token_ids", stop_ids, "must be a list of token ids")
-        fields["stop_token_ids"] = stop_ids
+    _refuse_unsupported(body)
+    prompt = _prompt(body.get("prompt"), max_prompt_tokens)
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise InvalidRequestError("n", _short(n), "only n=1 is supported")
+    model = _optional(body, "model", str, "a string")
+    _optional(body, "user", str, "a string")
+    stream = _optional(body, "stream", bool, "true or false") or False
+    include_usage = _stream_options(body.get("stream_options"))
+    fields: dict[str, Any] = {}
+    for name in _INTS:
+        if body.get(name) is not None:
+            fields[name] = _int(name, body[name], -_INT64, _INT64)
+    for name in _FLOATS:
+        if body.get(name) is not None:
+            fields[name] = _float(name, body[name])
+    if body.get("seed") is not None:
+        fields["seed"] = _int("seed", body["seed"], -_INT64, 2 * _INT64)
+    ignore_eos = _optional(body, "ignore_eos", bool, "true or false")
+    if ignore_eos is not None:
+        fields["ignore_eos"] = ignore_eos
+    if body.get("stop_token_ids") is not None:
+        fields["stop_token_ids"] = _stop_ids(body["stop_token_ids"])
     try:
         params = SamplingParams(**fields)
-    except TypeError as exc:  # e.g. a float where attrs expected something else
-        raise InvalidRequestError("sampling parameters", fields, str(exc)) from exc
-    return CompletionRequest(model=model, prompt=prompt, params=params, stream=stream)
+    except (TypeError, OverflowError) as exc:
+        raise InvalidRequestError("sampling parameters", "...", str(exc)) from exc
+    return CompletionRequest(
+        model=model, prompt=prompt, params=params, stream=stream, include_usage=include_usage
+    )
 
 
-class Detokenizer:
-    """Turns one request's growing token list into text deltas. Not thread-safe."""
+def _refuse_unsupported(body: dict[Any, Any]) -> None:
+    ignored = []
+    for key, value in body.items():
+        if key in _KNOWN:
+            continue
+        if key in _NEUTRAL:
+            if not _is_neutral(value, _NEUTRAL[key]):
+                raise UnsupportedFieldError(key, _short(value))
+        else:
+            ignored.append(_name(key))
+    if ignored:
+        _log.warning("request_fields_ignored", fields=sorted(ignored)[:20], count=len(ignored))
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._text = ""
 
-    def delta(self, out: RequestOutput) -> str:
-        """The text of ``out.new_token_ids`` (with a tokenizer: the new suffix of the text)."""
-        if self._tokenizer is None:
-            return "".join(f" {t}" for t in out.new_token_ids)
-        text = self._tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
-        if text.startswith(self._text):
-            new, self._text = text[len(self._text) :], text
-            return new
-        self._text = text
-        return ""
+def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, list):
+        value = tuple(value)
+    for ok in neutral:
+        if isinstance(ok, bool) or isinstance(value, bool):
+            if value is ok:
+                return True
+        elif isinstance(ok, int | float) and isinstance(value, int | float):
+            if value == ok:
+                return True
+        elif type(value) is type(ok) and value == ok:
+            return True
+    return False
+
+
+def _prompt(prompt: object, max_tokens: int) -> list[int] | str:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list | str):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError("prompt", "<text>", "must be valid Unicode") from None
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequestError(
+            "prompt", _short(prompt), "must be a non-empty string or a non-empty list of token ids"
+        )
+    if len(prompt) >= max_tokens:
+        raise InvalidRequestError(
+            "prompt length", len(prompt), f"must be shorter than max_model_len={max_tokens}"
+        )
+    for tok in prompt:
+        if type(tok) is not int or not 0 <= tok < _INT64:
+            raise InvalidRequestError("prompt", _short(tok), "must be a list of integer token ids")
+    return prompt
+
+
+def _optional(body: dict[Any, Any], name: str, kind: type, what: str) -> Any:
+    value = body.get(name)
+    if value is not None and type(value) is not kind:
+        raise InvalidRequestError(name, _short(value), f"must be {what}")
+    return value
+
+
+def _int(name: str, value: object, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value < high:
+        raise InvalidRequestError(name, _short(value), f"must be an integer in [{low}, {high})")
+    return value
+
+
+def _float(name: str, value: object) -> float:
+    if type(value) is int and abs(value) < _INT64:
+        return float(value)
+    if type(value) is not float or not math.isfinite(value):
+        raise InvalidRequestError(name, _short(value), "must be a finite number")
+    return value
+
+
+def _stop_ids(value: object) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(
+            "stop_token_ids",
+            _short(value),
+            f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+        )
+    for tok in value:
+        if type(tok) is not int or not 0 <= tok < _INT64:
+            raise InvalidRequestError("stop_token_ids", _short(tok), "must hold token ids >= 0")
+    return value
+
+
+def _stream_options(value: object) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, dict):
+        raise InvalidRequestError("stream_options", _short(value), "must be an object")
+    for key, option in value.items():
+        if key != "include_usage":
+            raise UnsupportedFieldError(f"stream_options.{_name(key)}", _short(option))
+        if option is not None and type(option) is not bool:
+            raise InvalidRequestError(
+                "stream_options.include_usage", _short(option), "must be true or false"
+            )
+    return value.get("include_usage") is not False
+
+
+def _name(key: str) -> str:
+    """A field name fit for a message, a log line and JSON (no lone surrogates)."""
+    return key[:64].encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _short(value: object) -> object:
+    """``value`` or a stand-in short enough for an error message."""
+    if isinstance(value, str):
+        return value if len(value) <= 40 else value[:40] + "..."
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if abs(value) < 10**30 else f"<{value.bit_length()}-bit integer>"
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return value
 
 
 def usage(out: RequestOutput) -> dict[str, int]:
@@ -126,8 +278,3 @@ def completion_body(
     if usage_ is not None:
         body["usage"] = usage_
     return body
-
-
-def error_body(message: str, kind: str, code: int) -> dict[str, Any]:
-    """An OpenAI-style error object."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}

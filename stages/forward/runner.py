@@ -210,19 +210,27 @@ class ModelRunner:
     def sample(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> SampledTokens:
         """Sample one token per row of ``model_output`` with each request's parameters.
 
-        Blocks the calling thread (it reads the tokens back from the device).
+        A row that cannot be sampled does not fail the others: its request is named in
+        ``SampledTokens.errors`` (and gets no token), and fails alone. Blocks the calling
+        thread (it reads the tokens back from the device).
         """
         if not model_output.req_ids:
             return SampledTokens(token_ids={})
         by_id = {r.req_id: r for r in scheduler_output.requests}
         scheduled = [by_id[req_id] for req_id in model_output.req_ids]
         with torch.inference_mode():
-            tokens = self._sampler.sample(
+            tokens, errors = self._sampler.sample_rows(
                 model_output.logits,
                 [r.sampling for r in scheduled],
                 [r.num_output_tokens for r in scheduled],
             )
-        return SampledTokens(token_ids=dict(zip(model_output.req_ids, tokens, strict=True)))
+        req_ids = model_output.req_ids
+        return SampledTokens(
+            token_ids={
+                req_id: tok for req_id, tok in zip(req_ids, tokens, strict=True) if tok is not None
+            },
+            errors={req_ids[row]: reason for row, reason in errors.items()},
+        )
 
     def drop_requests(self, req_ids: Iterable[str]) -> None:
         """Forget the state of ``req_ids`` (unknown ids are ignored), as a step does.

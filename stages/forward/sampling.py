@@ -7,18 +7,39 @@ without a seed share one engine generator seeded from ``EngineConfig.seed``.
 
 Sampling uses the exponential race (``argmax(p / q)`` with ``q ~ Exp(1)``), which draws
 exactly from ``p`` and vectorises over the batch; greedy rows are one ``argmax``.
+
+:meth:`Sampler.sample_rows` isolates failures: when the batched path raises, every row
+is sampled alone, and a row that still raises is reported (its request fails alone)
+while the others get their tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
+from pipeline.checks import short_repr
 from pipeline.config import SamplingParams
+from pipeline.logs import get_logger
 
-__all__ = ["Sampler", "request_seed"]
+__all__ = ["RowSamples", "Sampler", "request_seed"]
+
+_log = get_logger()
+
+
+class RowSamples(NamedTuple):
+    """The result of :meth:`Sampler.sample_rows`.
+
+    Attributes:
+        tokens: The token of each row, ``None`` for a row that failed.
+        errors: Row index → why that row could not be sampled.
+    """
+
+    tokens: list[int | None]
+    errors: dict[int, str]
 
 
 def request_seed(seed: int, output_index: int) -> int:
@@ -78,6 +99,36 @@ class Sampler:
         )
         result[rows_t] = chosen
         return result.tolist()
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+    ) -> RowSamples:
+        """Like :meth:`sample`, but a row that cannot be sampled fails alone.
+
+        The batch is sampled at once; if that raises, each row is sampled on its own
+        (greedy and seeded rows get the very tokens they get in any batch; unseeded rows
+        draw from the shared generator in row order). Rows that raise on their own are
+        reported in :attr:`RowSamples.errors`; nothing is raised for them.
+        """
+        try:
+            tokens: list[int | None] = list(self.sample(logits, params, num_output_tokens))
+            return RowSamples(tokens, {})
+        except Exception as exc:
+            _log.warning("batched_sampling_failed", rows=len(params), error=repr(exc))
+        tokens = []
+        errors: dict[int, str] = {}
+        for i in range(len(params)):
+            try:
+                tokens.append(
+                    self.sample(logits[i : i + 1], [params[i]], [num_output_tokens[i]])[0]
+                )
+            except Exception as exc:
+                tokens.append(None)
+                errors[i] = f"sampling failed: {short_repr(exc, 200)}"
+        return RowSamples(tokens, errors)
 
     def _sample_random(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]

@@ -54,9 +54,12 @@ def available() -> bool:
 class SharedMemoryAllReduce:
     """In-place sum of a CPU tensor across ``size`` processes that map ``path``.
 
-    Every rank constructs it with the same ``path``, ``size`` and ``slot_bytes`` (rank 0
-    may create the file; the others open it), and calls it in the same order with the
-    same shapes. Not thread-safe: one call at a time per rank.
+    Every rank constructs it with the same ``path``, ``size`` and ``slot_bytes`` (any
+    rank may create the file; the others open it), and calls it in the same order with
+    the same shapes. The file is mapped by the constructor: once every rank has
+    constructed it, the name may be unlinked (the engine does, so that a killed group
+    leaves no memory behind); the mappings stay shared. Not thread-safe: one call at a
+    time per rank.
 
     Args:
         path: A file shared by the ranks (tmpfs preferred); created at the full size.

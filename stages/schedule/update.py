@@ -1,14 +1,16 @@
 """Applying one step's merged worker output to the scheduler state.
 
 In order: blocks that failed to load (truncate and recompute, or fail the request,
-per ``load_failure_policy``); sampled tokens, block hashes and stop checks for the
-requests the step scheduled; async loads that completed (``finished_recving``: the
-request becomes schedulable); sends that completed (``finished_sending``: delayed
-blocks are freed); transfers whose fan-in lease expired (``expired_sending``: delayed
-blocks are freed anyway; ``expired_recving``: the parked request fails alone with
-``"error"``); finally ``update_connector_output`` once. Tokens, loads, sends and
-expirations of requests the scheduler no longer knows (aborted while the step ran, or
-released after they ended) are logged at debug level and dropped.
+per ``load_failure_policy``); requests that failed alone in the step
+(``request_errors``: ``"error"``, the others are unaffected); sampled tokens, block
+hashes and stop checks for the requests the step scheduled; async loads that
+completed (``finished_recving``: the request becomes schedulable); sends that
+completed (``finished_sending``: delayed blocks are freed); transfers whose fan-in
+lease expired (``expired_sending``: delayed blocks are freed anyway;
+``expired_recving``: the parked request fails alone with ``"error"``); finally
+``update_connector_output`` once. Tokens, loads, sends and expirations of requests the
+scheduler no longer knows (aborted while the step ran, or released after they ended)
+are logged at debug level and dropped.
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ def apply_output(
         if request is None or request.status != RequestStatus.RUNNING:
             if req_id in output.sampled_token_ids:
                 log.debug("token of a request no longer running dropped", req_id=req_id)
+            continue
+        reason = output.request_errors.get(req_id)
+        if reason is not None:  # failed alone on a worker, or never sent to one
+            log.error("request failed in step", req_id=req_id, step=output.step_id, error=reason)
+            state.finish(request, RequestStatus.FINISHED_ERROR, f"step {output.step_id}: {reason}")
+            outputs.append(make_output(request, ()))
             continue
         if not item.sample or req_id in discarded:
             continue

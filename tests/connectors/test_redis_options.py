@@ -18,7 +18,8 @@ class TestRedisOptions:
     def test_defaults(self):
         """Only url is required; the rest have bounded defaults."""
         opts = RedisOptions.from_options({"url": URL})
-        assert opts.key_prefix == "kvstep:" and opts.ttl_s is None and not opts.tls
+        # The TTL default became a day (issue 10, finding 15): it was "never expire".
+        assert opts.key_prefix == "kvstep:" and opts.ttl_s == 86400.0 and not opts.tls
         assert 0.05 <= opts.timeout_s <= 0.2 and opts.pool_size >= 1
 
     def test_rediss_implies_tls_and_tls_rewrites_the_scheme(self):

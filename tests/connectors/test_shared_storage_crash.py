@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from connectors.framing import decode_block
+from connectors.shared_storage.naming import temp_name
 from connectors.shared_storage.store import DiskStore
 from pipeline.errors import FrameError
 
@@ -135,10 +136,10 @@ class TestStaleTemps:
             text=True,
             check=True,
         )
-        u = "0" * 32
-        dead_tmp = folder / f".00ff.kv.{int(dead.stdout)}.{u}.tmp"
-        live_tmp = folder / f".00ee.kv.{os.getpid()}.{u}.tmp"
-        old_tmp = folder / f".00dd.kv.{os.getpid()}.{'1' * 32}.tmp"
+        # This host's temp names (naming.temp_name): the pid is checked only for those.
+        dead_tmp = folder / temp_name("00ff.kv", pid=int(dead.stdout))
+        live_tmp = folder / temp_name("00ee.kv")
+        old_tmp = folder / temp_name("00dd.kv")
         for path in (dead_tmp, live_tmp, old_tmp):
             path.write_bytes(b"partial")
         os.utime(old_tmp, (time.time() - 1000, time.time() - 1000))

@@ -87,11 +87,12 @@ class TestServeCommand:
     ) -> None:
         """A server extra missing only at serve() time also exits 2 with the hint."""
 
-        def serve(config: EngineConfig, host: str, port: int) -> None:
+        def serve(config: EngineConfig, host: str, port: int, options: object) -> None:
             raise ModuleNotFoundError("No module named 'uvicorn'", name="uvicorn")
 
         fake = types.ModuleType("pipeline.server")
         fake.serve = serve  # type: ignore[attr-defined]
+        fake.server_options = lambda args: None  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, "pipeline.server", fake)
         assert main(["serve"]) == 2
         assert "kvstep[server]" in capsys.readouterr().err
@@ -100,7 +101,8 @@ class TestServeCommand:
         """Every EngineConfig flag reaches serve() along with --host and --port."""
         seen: list[tuple[EngineConfig, str, int]] = []
         fake = types.ModuleType("pipeline.server")
-        fake.serve = lambda config, host, port: seen.append((config, host, port))  # type: ignore[attr-defined]
+        fake.serve = lambda config, host, port, options: seen.append((config, host, port))  # type: ignore[attr-defined]
+        fake.server_options = lambda args: None  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, "pipeline.server", fake)
         argv = ["serve", "--host", "0.0.0.0", "--port", "8123", "--max-num-seqs", "4",
                 "--no-enable-prefix-caching", "--connector", "offload"]  # fmt: skip

@@ -101,8 +101,13 @@ class TestErrors:
     async def test_not_json_is_400(self, config: EngineConfig) -> None:
         """A body that is not JSON answers 400."""
         async with client_for(create_app(config)) as client:
-            resp = await client.post("/v1/completions", content=b"{not json")
+            resp = await client.post(
+                "/v1/completions",
+                content=b"{not json",
+                headers={"Content-Type": "application/json"},
+            )
         assert resp.status_code == 400
+        assert resp.json()["error"]["param"] is None
 
     @pytest.mark.anyio
     async def test_unknown_model_is_404(self, config: EngineConfig) -> None:
@@ -245,7 +250,7 @@ class TestDetokenizer:
     def test_text_deltas_with_a_tokenizer(self) -> None:
         """With a tokenizer, each delta is the new suffix of the decoded text."""
         from pipeline.request import RequestOutput
-        from pipeline.server.schemas import Detokenizer
+        from pipeline.server.detokenize import Detokenizer
 
         class Letters:
             def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -1,0 +1,106 @@
+"""The guard in front of every route: a request id, the API key, and a generic 500.
+
+A plain ASGI middleware (no body buffering): it names each HTTP request
+(``X-Request-Id``), refuses a missing or wrong bearer key with 401 before the app reads
+anything (``/health`` stays open for orchestrators), and turns an exception no handler
+took into a generic 500 that carries the request id, the traceback going to the log.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import os
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pipeline.logs import get_logger
+from pipeline.server.errors import error_response
+
+__all__ = ["GuardMiddleware"]
+
+_log = get_logger()
+_OPEN_PATHS = frozenset({"/health"})
+
+
+class GuardMiddleware:
+    """Request ids, bearer-key auth and the last-resort 500 (see the module doc).
+
+    Args:
+        app: The wrapped ASGI app.
+        api_key: The key as bytes, or ``None`` for no authentication.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: bytes | None = None) -> None:
+        self.app = app
+        self._key = api_key
+        self._prefix = os.urandom(4).hex()
+        self._ids = itertools.count(1)
+
+    def __repr__(self) -> str:  # the key never shows
+        return f"GuardMiddleware(auth={'on' if self._key is not None else 'off'})"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = f"{self._prefix}-{next(self._ids)}"
+        scope.setdefault("state", {})["kvstep_request_id"] = rid
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", rid.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        if not self._authorized(scope):
+            response = error_response(
+                401,
+                "a valid API key is required: Authorization: Bearer <key>",
+                "authentication_error",
+                "invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send_with_id)
+            return
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            _log_internal_error(rid, scope, exc)
+            if started:
+                raise  # the response is half sent: the server closes the connection
+            message = f"internal server error (request id {rid})"
+            response = error_response(500, message, "internal_server_error", "internal_error")
+            await response(scope, receive, send_with_id)
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self._key is None or _route_path(scope) in _OPEN_PATHS:
+            return True
+        value = Headers(scope=scope).get("authorization", "")
+        scheme, _, given = value.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        given_bytes = given.strip().encode("latin-1")  # as the header was decoded
+        return hmac.compare_digest(given_bytes, self._key)
+
+
+def _log_internal_error(rid: str, scope: Scope, exc: Exception) -> None:
+    path = str(scope.get("path", ""))[:200].encode("utf-8", "backslashreplace").decode()
+    fields = {"request_id": rid, "path": path}
+    try:
+        _log.error("request_failed_internal", error=repr(exc), exc_info=exc, **fields)
+    except Exception:  # a log sink that cannot print the traceback (lone surrogates, ...)
+        _log.error("request_failed_internal", error=ascii(exc)[:2000], **fields)
+
+
+def _route_path(scope: Scope) -> str:
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path or "/"

@@ -1,0 +1,79 @@
+"""``ServerOptions``: the HTTP server's limits and its API key, validated once."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import attrs
+
+from pipeline.errors import InvalidConfigError
+
+__all__ = ["API_KEY_ENV", "ServerOptions"]
+
+API_KEY_ENV = "KVSTEP_API_KEY"
+"""The environment variable ``kvstep serve`` reads the API key from (``--api-key`` wins)."""
+
+_MIB = 1024 * 1024
+
+
+def _positive_seconds(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value <= 0:  # type: ignore[operator]
+        raise InvalidConfigError(attribute.name, value, "must be a finite number of seconds > 0")
+
+
+def _int_at_least(low: int) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is None and attribute.name == "limit_concurrency":
+            return
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise InvalidConfigError(attribute.name, value, f"must be an integer >= {low}")
+
+    return check
+
+
+def _api_key(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    # Never echo the value: a misplaced key must not end up in an error message or log.
+    if not isinstance(value, str) or not value or not value.isprintable() or not value.isascii():
+        raise InvalidConfigError("api_key", "<hidden>", "must be a non-empty printable ASCII str")
+
+
+@attrs.frozen(kw_only=True)
+class ServerOptions:
+    """How the HTTP server guards itself; immutable, checked at construction.
+
+    Attributes:
+        api_key: When set, every route but ``/health`` requires
+            ``Authorization: Bearer <api_key>`` (401 otherwise; compared in constant
+            time). Never shown in ``repr``, logs or responses.
+        max_body_bytes: The largest request body accepted (413 past it), enforced while
+            the body streams in, whatever ``Content-Length`` claims.
+        body_timeout_s: The longest a client may take to send a request body (408).
+        header_timeout_s: The longest a connection may take to send a request's headers,
+            on a new connection or between keep-alive requests (then it is closed).
+        timeout_keep_alive_s: How long an idle keep-alive connection is kept open.
+        limit_concurrency: Connections plus in-flight requests uvicorn serves at once;
+            past it uvicorn answers 503 (plain text) at once. ``None``: no limit.
+    """
+
+    api_key: str | None = attrs.field(default=None, repr=False, validator=_api_key)
+    max_body_bytes: int = attrs.field(default=4 * _MIB, validator=_int_at_least(1024))
+    body_timeout_s: float = attrs.field(default=30.0, validator=_positive_seconds)
+    header_timeout_s: float = attrs.field(default=10.0, validator=_positive_seconds)
+    timeout_keep_alive_s: float = attrs.field(default=5.0, validator=_positive_seconds)
+    limit_concurrency: int | None = attrs.field(default=1024, validator=_int_at_least(1))
+
+    @classmethod
+    def from_env(cls, **fields: Any) -> ServerOptions:
+        """Options from ``fields``, the API key from ``$KVSTEP_API_KEY`` when not given."""
+        if fields.get("api_key") is None:
+            fields["api_key"] = os.environ.get(API_KEY_ENV) or None
+        return cls(**fields)
+
+    def api_key_bytes(self) -> bytes | None:
+        """The key as bytes, for ``hmac.compare_digest``."""
+        return None if self.api_key is None else self.api_key.encode("ascii")

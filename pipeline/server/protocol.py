@@ -1,0 +1,64 @@
+"""uvicorn's h11 protocol with a deadline on request headers (against slowloris).
+
+uvicorn times out idle keep-alive connections but not a client that sends its headers
+a byte at a time: such a client holds a connection (and a slot of
+``limit_concurrency``) forever. :func:`header_timeout_protocol` returns an
+``H11Protocol`` subclass that arms a timer whenever the connection waits for a
+request's headers (when it opens, and after each response) and disarms it once h11
+has the whole request line and headers; if the timer fires, the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pipeline.logs import get_logger
+
+__all__ = ["header_timeout_protocol"]
+
+_log = get_logger()
+
+
+def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
+    """An ``H11Protocol`` class closing connections whose headers take too long."""
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm_header_timer()  # the request's headers are in
+
+        def on_response_complete(self) -> None:
+            self._arm_header_timer()  # disarmed again if a pipelined request is waiting
+            super().on_response_complete()
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self.transport is not None and not self.transport.is_closing():
+                _log.info("connection_closed_header_timeout", client=str(self.client))
+                self.transport.close()
+
+    return HeaderTimeoutH11Protocol
