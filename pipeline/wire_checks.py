@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import attrs
 import msgspec
 
@@ -142,6 +144,18 @@ def metadata_types(
     packages = {m.rpartition(".")[0] or m for m in modules}
     for cls in _subclasses(KVConnectorMetadata):
         module = cls.__module__
+        if not _canonical(cls):
+            continue
         if module in modules or any(module == p or module.startswith(p + ".") for p in packages):
             allowed[_path(cls)] = cls
     return allowed
+
+
+def _canonical(cls: type) -> bool:
+    """Whether ``cls`` is what its module names: ``attrs`` (slotted classes) and other
+    class decorators build a new class, and the one they replaced lingers among the
+    base's ``__subclasses__()`` until it is collected; it must never win the path."""
+    owner: object = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        owner = getattr(owner, part, None)
+    return owner is cls

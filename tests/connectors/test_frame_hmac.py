@@ -19,10 +19,11 @@ import pytest
 import safetensors.torch
 import structlog
 import torch
+from store_workload import PARAMS, PROMPTS, engine_config
 
 from connectors.framing import decode_block, encode_block, iter_layers
 from connectors.shared_storage import SharedStorageOptions
-from pipeline import LLM, EngineConfig, SamplingParams
+from pipeline import LLM
 from pipeline.errors import FrameError, InvalidConfigError
 
 KEY = b"cd" * 4 + b"\x02" * 32
@@ -137,23 +138,6 @@ class TestKeyOption:
 # ------------------------------------------------------------------ in engines
 
 BS = 16
-PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-PROMPTS = [
-    [(7 * n + 3) % 251 + 1 for n in range(53)],
-    [(7 * n + 3) % 251 + 1 for n in range(40)] + [9, 8, 7],
-    [(5 * n + 1) % 241 + 1 for n in range(40)],
-]
-
-
-def engine_config(model: Path, connector: str | None, options: dict) -> EngineConfig:
-    return EngineConfig(
-        model=str(model),
-        dtype="float32",
-        max_model_len=256,
-        enable_prefix_caching=False,
-        connector=connector,
-        connector_options=options,
-    )
 
 
 def generate(model: Path, connector: str | None, options: dict):

@@ -26,29 +26,13 @@ from pathlib import Path
 import attrs
 import pytest
 import structlog
+from store_workload import PARAMS, PROMPTS, engine_config
 
 from connectors.shared_storage import DiskStore, SharedStorageOptions
-from pipeline import LLM, EngineConfig, SamplingParams
+from pipeline import LLM, EngineConfig
 from pipeline.errors import InvalidConfigError
 
-PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-PROMPTS = [
-    [(7 * n + 3) % 251 + 1 for n in range(53)],
-    [(7 * n + 3) % 251 + 1 for n in range(40)] + [9, 8, 7],
-    [(5 * n + 1) % 241 + 1 for n in range(40)],
-]
 FP = "ab" * 16
-
-
-def engine_config(model: Path, connector: str | None, options: dict) -> EngineConfig:
-    return EngineConfig(
-        model=str(model),
-        dtype="float32",
-        max_model_len=256,
-        enable_prefix_caching=False,
-        connector=connector,
-        connector_options=options,
-    )
 
 
 @pytest.fixture(scope="module")

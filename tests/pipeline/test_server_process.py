@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from server_process import free_port
 
 from pipeline import LLM, EngineConfig, SamplingParams
 
@@ -22,13 +22,6 @@ pytest.importorskip("uvicorn")
 
 PROMPT = [1, 2, 3, 4, 5]
 MAX_MODEL_LEN = 512
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class Server:
@@ -54,7 +47,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server process for the module, on a free loopback port."""
-    port = _free_port()
+    port = free_port()
     log = (tmp_path_factory.mktemp("server") / "server.log").open("wb")
     cmd = [sys.executable, "-m", "pipeline.server", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--model", str(llama_path), "--dtype", "float32"]

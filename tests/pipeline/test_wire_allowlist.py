@@ -61,6 +61,32 @@ class TestAllowList:
         assert not any(path.startswith("tests.") for path in allowed)
         assert not any(path.startswith(("os", "builtins")) for path in allowed)
 
+    def test_each_path_maps_to_the_class_its_module_names(self) -> None:
+        """The allow-list never maps a path to a class a decorator replaced: attrs builds
+        a new slotted class, and the old one lingers among ``__subclasses__()`` until it
+        is collected (a worker that took it could not decode any step's metadata)."""
+        import types
+
+        module = types.ModuleType("kvstep_fake_connector")
+        source = (
+            "import attrs\n"
+            "from connectors.base import KVConnectorMetadata, KVConnectorWorker\n"
+            "class Meta(KVConnectorMetadata):\n"
+            "    step: int = 0\n"
+            "STALE = Meta\n"
+            "Meta = attrs.frozen(Meta)\n"
+            "class Worker(KVConnectorWorker):\n"
+            "    pass\n"
+        )
+        sys.modules[module.__name__] = module
+        try:
+            exec(compile(source, "<kvstep_fake_connector>", "exec"), module.__dict__)
+            assert module.STALE is not module.Meta
+            allowed = metadata_types(None, module.Worker)
+            assert allowed == {"kvstep_fake_connector:Meta": module.Meta}
+        finally:
+            del sys.modules[module.__name__]
+
 
 def _halves(name: str) -> tuple[type, type]:
     spec = get_connector(name)
