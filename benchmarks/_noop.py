@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from pipeline.context import StepContext
+from pipeline.kernel.context import StepContext
 
 
 @attrs.frozen

@@ -13,7 +13,7 @@ A third column, "hand+TG", writes the same parallel blocks by hand with anyio ta
 (and the finalizer's ``move_on_after(shield=True)``): the price of concurrency itself, so
 "added vs TG" is what the runner's own bookkeeping costs.
 
-Fan-in: the engine's ``execute → fan_in`` graph over real :class:`pipeline.worker.Worker`
+Fan-in: the engine's ``execute → fan_in`` graph over real :class:`pipeline.executors.worker.Worker`
 objects (in-process executor, ``FanInAggregator``) whose worker graph has the default
 shape ``bind → load → forward → {sample | save} → finished ⟂ clear`` made of no-op
 stages, so no model runs: median µs per step with 1 rank and with 4, and their ratio;
@@ -52,12 +52,12 @@ from pipeline.artifacts import (
     SchedulerOutput,
     WorkerOutput,
 )
-from pipeline.context import StepContext
-from pipeline.executor import InProcessExecutor
-from pipeline.graph import StepGraph
-from pipeline.stage import Finalizer
+from pipeline.executors.inprocess import InProcessExecutor
+from pipeline.executors.worker import Worker
+from pipeline.kernel.context import StepContext
+from pipeline.kernel.graph import StepGraph
+from pipeline.kernel.stage import Finalizer
 from pipeline.steplog import StepLog
-from pipeline.worker import Worker
 from stages.fan_in import FanInAggregator, FanInStage
 from stages.schedule_stage import ExecuteStage
 

@@ -80,9 +80,9 @@ from pipeline.artifacts import (
     SaveResult,
     SchedulerOutput,
 )
-from pipeline.context import StepContext
-from pipeline.engine import EngineCore
-from pipeline.graph import StepGraph
+from pipeline.engine.core import EngineCore
+from pipeline.kernel.context import StepContext
+from pipeline.kernel.graph import StepGraph
 
 RESULTS = Path(__file__).parent / "results"
 NOOP_GRAPH = "workers:noop_worker_graph"
@@ -402,9 +402,9 @@ def print_table(title: str, headers: tuple[str, ...], rows: list[tuple[str, ...]
 
 _ECHO = """
 import socket, sys, anyio
-from pipeline import wire
+from pipeline.executors import wire
 from pipeline.artifacts import WorkerOutput
-from pipeline.channel import Channel
+from pipeline.executors.channel import Channel
 
 async def serve(channel):
     while True:
@@ -424,9 +424,9 @@ async def measure_round_trip(n: int) -> float:
     import socket
     import subprocess
 
-    from pipeline import wire
     from pipeline.artifacts import SchedulerOutput
-    from pipeline.channel import Channel
+    from pipeline.executors import wire
+    from pipeline.executors.channel import Channel
 
     mine, theirs = socket.socketpair()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))

@@ -2,8 +2,8 @@
 
 A connector module registers itself at import with :func:`register_connector`. The
 built-in connectors are registered lazily: the first lookup of a built-in name imports
-its module (listed in ``_BUILTIN_MODULES``, one line per connector). A built-in whose
-module does not exist (not shipped yet) is simply not listed.
+its module (listed in ``_BUILTIN_MODULES``, one line per connector, each an existing
+module). A listed module that cannot be found is skipped, not an error.
 
 All functions are thread-safe. Imports happen outside the registry's lock, so a module
 that registers itself while being imported from another thread cannot deadlock.
@@ -38,15 +38,16 @@ __all__ = [
 
 _log = get_logger()
 
-# Built-in connector name -> module that registers it on import. Add a connector here.
+# Built-in connector name -> module that registers it on import. Add a connector here,
+# once its module exists (tests/connectors/test_registry.py imports every one listed).
+# The testing package is listed by path only: nothing imports it until it is looked up.
 _BUILTIN_MODULES: Mapping[str, str] = {
-    "recording": "connectors.testing",
-    "faulty": "connectors.faults",
+    "recording": "connectors.testing.recording",
+    "faulty": "connectors.testing.faulty",
     "shared_storage": "connectors.shared_storage",
     "offload": "connectors.offload",
     "redis": "connectors.redis_store",
     "multi": "connectors.multi",
-    "p2p": "connectors.p2p",
 }
 
 _lock = threading.RLock()

@@ -1,12 +1,12 @@
 """kvstep's runtime: stages, step graphs, the runner, and the engine front ends.
 
-The engine-level names (``AsyncEngine``, ``LLM``, ``EngineCore``) are imported lazily so
-that ``connectors`` and ``stages`` can import the runtime without a cycle.
+Every public name is imported here, eagerly. ``stages`` and ``connectors`` start with
+``import pipeline``, so whichever of the three packages is imported first, this one
+initialises first; inside the three packages modules import submodules
+(``from connectors.base import X``), never names from a package still initialising.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
 
 from pipeline.artifacts import (
     EngineStepOutput,
@@ -23,7 +23,7 @@ from pipeline.artifacts import (
     WorkerOutput,
 )
 from pipeline.config import EngineConfig, SamplingParams
-from pipeline.context import StepContext
+from pipeline.engine import LLM, AsyncEngine, EngineCore, RequestStream
 from pipeline.errors import (
     ConnectorLifecycleError,
     DuplicateConnectorError,
@@ -41,19 +41,21 @@ from pipeline.errors import (
     WorkerDiedError,
     WorkerFailedError,
 )
-from pipeline.graph import StepGraph
+from pipeline.executors import InProcessExecutor, MultiprocExecutor, RayExecutor
+from pipeline.kernel import (
+    Finalizer,
+    FunctionStage,
+    Stage,
+    StageRecord,
+    StepContext,
+    StepGraph,
+    StepReport,
+    as_stage,
+    is_finalizer,
+    stage,
+)
 from pipeline.request import Request, RequestOutput, RequestStatus
-from pipeline.runner import StageRecord, StepReport
-from pipeline.stage import Finalizer, FunctionStage, Stage, as_stage, is_finalizer, stage
 from pipeline.steplog import StepLog, bind_step
-
-if TYPE_CHECKING:
-    from pipeline.async_engine import AsyncEngine, RequestStream
-    from pipeline.engine import EngineCore
-    from pipeline.executor import InProcessExecutor
-    from pipeline.llm import LLM
-    from pipeline.multiproc import MultiprocExecutor
-    from pipeline.ray_executor import RayExecutor
 
 __all__ = [
     "AsyncEngine",
@@ -108,24 +110,3 @@ __all__ = [
     "is_finalizer",
     "stage",
 ]
-
-_LAZY = {
-    "AsyncEngine": "pipeline.async_engine",
-    "RequestStream": "pipeline.async_engine",
-    "EngineCore": "pipeline.engine",
-    "InProcessExecutor": "pipeline.executor",
-    "MultiprocExecutor": "pipeline.multiproc",
-    "RayExecutor": "pipeline.ray_executor",
-    "LLM": "pipeline.llm",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value

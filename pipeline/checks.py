@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import math
 import re
-import reprlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 __all__ = [
     "INT64_MAX",
@@ -24,8 +23,8 @@ __all__ = [
     "check_float",
     "check_int",
     "check_plain",
+    "int_range",
     "redact",
-    "short_repr",
 ]
 
 INT64_MIN = -(1 << 63)
@@ -42,43 +41,57 @@ _PLAIN_DEPTH = 16
 
 ErrorType = Callable[[str, object, str], Exception]
 
-#: Longest repr of an offending value that an error message embeds.
-MAX_VALUE_REPR = 80
 
-_repr = reprlib.Repr()
-_repr.maxlevel = 2
-_repr.maxlist = _repr.maxtuple = _repr.maxset = _repr.maxfrozenset = _repr.maxdict = 6
-_repr.maxstring = _repr.maxother = MAX_VALUE_REPR
+def int_range(lo: int = INT64_MIN, hi: int = INT64_MAX) -> str:
+    """The integers in ``[lo, hi]`` in words: ``"a positive integer"``, ``"an integer >=
+    0"`` (no upper bound but the 64-bit one), or ``"an integer in [lo, hi]"``."""
+    if hi == INT64_MAX and lo != INT64_MIN:
+        return "a positive integer" if lo == 1 else f"an integer >= {lo}"
+    return f"an integer in [{lo}, {hi}]"
 
 
-def short_repr(value: object, limit: int = MAX_VALUE_REPR) -> str:
-    """A repr of ``value`` of at most ``limit`` characters, cheap whatever its size.
+@overload
+def check_int(
+    name: str,
+    value: object,
+    error: ErrorType,
+    *,
+    lo: int = ...,
+    hi: int = ...,
+    optional: Literal[False] = ...,
+) -> int: ...
 
-    An error message names the offending value, but a hostile one (``10**400``, a list of
-    a million ids) must not land in a message, a log line or an HTTP body whole: a big
-    integer is described by its size, containers show their first few items, and the
-    result is cut to ``limit`` characters. Never raises.
-    """
-    try:
-        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-            text = f"<int of {value.bit_length()} bits>"
-        else:
-            text = _repr.repr(value)
-    except Exception:  # a hostile __repr__
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+@overload
+def check_int(
+    name: str, value: object, error: ErrorType, *, lo: int = ..., hi: int = ..., optional: bool
+) -> int | None: ...
 
 
 def check_int(
-    name: str, value: object, error: ErrorType, *, lo: int = INT64_MIN, hi: int = INT64_MAX
-) -> int:
-    """``value`` as a builtin ``int`` in ``[lo, hi]``.
+    name: str,
+    value: object,
+    error: ErrorType,
+    *,
+    lo: int = INT64_MIN,
+    hi: int = INT64_MAX,
+    optional: bool = False,
+) -> int | None:
+    """``value`` as a builtin ``int`` in ``[lo, hi]`` (``None`` passes when ``optional``).
+
+    The one integer check of kvstep: ``check_int("block_size", v, InvalidConfigError,
+    lo=1)`` is the positive-integer check, with the message ``"must be a positive
+    integer"`` (see :func:`int_range`).
 
     Raises:
-        error: ``value`` is a ``bool``, not an ``int``, or out of range.
+        error: ``value`` is a ``bool``, not an ``int``, or out of range; the message
+            names what is allowed.
     """
+    if value is None and optional:
+        return None
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise error(name, value, f"must be an integer in [{lo}, {hi}]")
+        allowed = int_range(lo, hi)
+        raise error(name, value, f"must be {'None or ' if optional else ''}{allowed}")
     return int(value)
 
 

@@ -6,7 +6,7 @@ Both are frozen attrs classes validated at construction: a bad value raises
 of the value and what is allowed. Every field is type-checked (a ``bool`` is never
 taken for a number, nor a string for a ``bool``), numbers must be finite and in a
 64-bit range, and what passes is exactly what the engine↔worker wire
-(:mod:`pipeline.wire`, msgspec) encodes and its typed decoder accepts.
+(:mod:`pipeline.executors.wire`, msgspec) encodes and its typed decoder accepts.
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ def _int64(inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
 
 
 def _optional_positive(inst: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
-    if value is not None:
-        check_int(attribute.name, value, InvalidConfigError, lo=1)
+    check_int(attribute.name, value, InvalidConfigError, lo=1, optional=True)
 
 
 def _bool(inst: object, attribute: attrs.Attribute[Any], value: bool) -> None:

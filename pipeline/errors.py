@@ -7,14 +7,14 @@ offending value and what would have been accepted.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
-from pipeline.checks import short_repr
-
 __all__ = [
+    "MAX_VALUE_REPR",
     "ConnectorLifecycleError",
     "DuplicateConnectorError",
     "EngineDeadError",
@@ -35,7 +35,35 @@ __all__ = [
     "UnknownConnectorError",
     "WorkerDiedError",
     "WorkerFailedError",
+    "short_repr",
 ]
+
+
+#: Longest repr of an offending value that an error message embeds.
+MAX_VALUE_REPR = 80
+
+_repr = reprlib.Repr()
+_repr.maxlevel = 2
+_repr.maxlist = _repr.maxtuple = _repr.maxset = _repr.maxfrozenset = _repr.maxdict = 6
+_repr.maxstring = _repr.maxother = MAX_VALUE_REPR
+
+
+def short_repr(value: object, limit: int = MAX_VALUE_REPR) -> str:
+    """A repr of ``value`` of at most ``limit`` characters, cheap whatever its size.
+
+    An error message names the offending value, but a hostile one (``10**400``, a list of
+    a million ids) must not land in a message, a log line or an HTTP body whole: a big
+    integer is described by its size, containers show their first few items, and the
+    result is cut to ``limit`` characters. Never raises.
+    """
+    try:
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+            text = f"<int of {value.bit_length()} bits>"
+        else:
+            text = _repr.repr(value)
+    except Exception:  # a hostile __repr__
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class KvstepError(Exception):
@@ -160,7 +188,7 @@ class FaultInjected(KvstepError, RuntimeError):
     """A fault injected on purpose by the fault-injection tools (tests, chaos runs).
 
     Raised by ``connectors.testing.FaultyConnector`` at a connector call and by
-    ``stages.fault.FaultStage`` in a step graph; never by the engine itself.
+    ``connectors.testing.FaultStage`` in a step graph; never by the engine itself.
 
     Attributes:
         call: The connector method, or ``"stage <name>"`` for a fault stage.

@@ -28,7 +28,7 @@ from typing import IO, Any
 import structlog
 
 from pipeline.errors import InvalidConfigError
-from pipeline.report import StepReport
+from pipeline.kernel.report import StepReport
 
 __all__ = ["RESERVED_FIELDS", "StepLog", "bind_step"]
 

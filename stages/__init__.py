@@ -6,6 +6,10 @@ worker:  bind → load → forward → {sample | save} → finished ⟂ clear
 
 from __future__ import annotations
 
+# The runtime's package initialises first, whichever package is imported first: its
+# foundation (errors, config, artifacts, the graph kernel) is what this package builds
+# on, and its engine is built from this package.
+import pipeline  # noqa: F401
 from stages.bind import BindStage
 from stages.fan_in import FanInAggregator, FanInStage
 from stages.finalize import ClearConnectorStage

@@ -26,6 +26,7 @@ from typing import Literal
 import attrs
 
 from pipeline.artifacts import FanInOutput, KVStats, WorkerOutput
+from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError, StageError
 from pipeline.logs import get_logger
 
@@ -75,12 +76,8 @@ class FanInAggregator:
         lease_steps: int | None = None,
         lease_s: float | None = 60.0,
     ) -> None:
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise InvalidConfigError("world_size", world_size, "must be a positive integer")
-        if lease_steps is not None and (
-            not isinstance(lease_steps, int) or isinstance(lease_steps, bool) or lease_steps < 1
-        ):
-            raise InvalidConfigError("lease_steps", lease_steps, "must be an integer >= 1 or None")
+        check_int("world_size", world_size, InvalidConfigError, lo=1)
+        check_int("lease_steps", lease_steps, InvalidConfigError, lo=1, optional=True)
         if lease_s is not None and (
             not isinstance(lease_s, int | float) or isinstance(lease_s, bool) or not lease_s > 0
         ):

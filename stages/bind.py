@@ -8,7 +8,7 @@ import attrs
 
 from connectors.base import KVConnectorWorker
 from pipeline.artifacts import MetadataBound, SchedulerOutput
-from pipeline.context import StepContext
+from pipeline.kernel.context import StepContext
 
 __all__ = ["BindStage"]
 

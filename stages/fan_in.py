@@ -15,8 +15,8 @@ import anyio
 import attrs
 
 from pipeline.artifacts import FanInOutput, PendingWorkerOutputs, WorkerOutput
-from pipeline.context import StepContext
 from pipeline.errors import WorkerFailedError
+from pipeline.kernel.context import StepContext
 from stages.aggregator import FanInAggregator
 
 __all__ = ["FanInAggregator", "FanInStage"]
@@ -28,7 +28,7 @@ def _combine(step_id: int, failures: Sequence[WorkerFailedError]) -> WorkerFaile
     With one failure that failure is returned as is. With several, a new error carries
     the lowest rank and its report, and a message naming every rank and its reason; the
     other ranks' errors (and the first one's cause) are chained as an exception group in
-    ``__cause__``, where :func:`pipeline.failure.describe_failure` finds them.
+    ``__cause__``, where :func:`pipeline.kernel.failure.describe_failure` finds them.
     """
     ordered = sorted(failures, key=lambda f: f.rank)
     if len(ordered) == 1:

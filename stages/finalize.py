@@ -14,10 +14,10 @@ from typing import ClassVar
 import attrs
 
 from connectors.base import KVConnectorWorker
-from pipeline.context import StepContext
 from pipeline.errors import FinalizerError
+from pipeline.kernel.context import StepContext
+from pipeline.kernel.stage import Finalizer
 from pipeline.logs import get_logger
-from pipeline.stage import Finalizer
 
 __all__ = ["ClearConnectorStage"]
 

@@ -15,7 +15,7 @@ from pipeline.artifacts import (
     SchedulerOutput,
     WorkerOutput,
 )
-from pipeline.context import StepContext
+from pipeline.kernel.context import StepContext
 
 __all__ = ["FinishedStage"]
 

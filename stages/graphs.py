@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from connectors.base import KVConnectorWorker
 from pipeline.artifacts import SchedulerOutput
-from pipeline.graph import StepGraph
+from pipeline.kernel.graph import StepGraph
 from stages.bind import BindStage
 from stages.fan_in import FanInAggregator, FanInStage
 from stages.finalize import ClearConnectorStage

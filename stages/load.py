@@ -8,7 +8,7 @@ import attrs
 
 from connectors.base import ForwardContext, KVConnectorWorker
 from pipeline.artifacts import LoadStarted, MetadataBound, SchedulerOutput
-from pipeline.context import StepContext
+from pipeline.kernel.context import StepContext
 
 __all__ = ["LoadStage"]
 

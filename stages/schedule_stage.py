@@ -12,7 +12,7 @@ from pipeline.artifacts import (
     PendingWorkerOutputs,
     SchedulerOutput,
 )
-from pipeline.context import StepContext
+from pipeline.kernel.context import StepContext
 
 if TYPE_CHECKING:
     from stages.schedule.scheduler import Scheduler

@@ -62,7 +62,7 @@ def _leak_oracle(monkeypatch: pytest.MonkeyPatch):
     ``AsyncEngine`` aborts whatever is still in flight before it closes its core, so at
     ``EngineCore.aclose`` every block must be free and nothing pending or bound.
     """
-    from pipeline.engine import EngineCore
+    from pipeline.engine.core import EngineCore
 
     reports: list[dict[str, int]] = []
     original = EngineCore.aclose

@@ -12,11 +12,13 @@ can never disagree about the size of the tier.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from pipeline.checks import check_float, check_int
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["OFFLOAD_OPTIONS", "OffloadOptions"]
@@ -33,9 +35,7 @@ OFFLOAD_OPTIONS = (
 
 
 def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidConfigError(f"connector_options[{name!r}]", value, "must be an integer > 0")
-    return value
+    return check_int(f"connector_options[{name!r}]", value, InvalidConfigError, lo=1)
 
 
 def _flag(name: str, value: object) -> bool:
@@ -118,14 +118,19 @@ class OffloadOptions:
                     f"must hold at least one block of {block_bytes} bytes",
                 )
         timeout = options.get("load_timeout_s", 60.0)
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
-            raise InvalidConfigError(
-                "connector_options['load_timeout_s']", timeout, "must be a number > 0"
-            )
+        timeout = check_float(
+            "connector_options['load_timeout_s']",
+            timeout,
+            InvalidConfigError,
+            lo=0.0,
+            hi=math.inf,
+            lo_open=True,
+            allow_inf=True,
+        )
         return cls(
             num_blocks=num_blocks,
             block_bytes=block_bytes,
             async_load=_flag("async_load", options.get("async_load", False)),
             verify_checksum=_flag("verify_checksum", options.get("verify_checksum", False)),
-            load_timeout_s=float(timeout),
+            load_timeout_s=timeout,
         )

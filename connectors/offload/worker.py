@@ -28,6 +28,7 @@ import attrs
 import torch
 
 from connectors.base import ConnectorContext, ForwardContext, KVConnectorWorker, WorkerFinished
+from connectors.device import DeviceSync, make_device_sync
 from connectors.offload.metadata import BlockCopy, OffloadMetadata
 from connectors.offload.options import OffloadOptions
 from connectors.offload.pool import HostKVPool, make_runs
@@ -36,7 +37,6 @@ from connectors.offload.transfer import LoadJob, StreamLoader, ThreadLoader
 from connectors.store.metadata import require_fingerprint
 from pipeline.errors import InvalidConfigError, StageError
 from pipeline.logs import get_logger
-from stages.forward.device import DeviceSync, make_device_sync
 
 __all__ = ["OffloadWorker"]
 

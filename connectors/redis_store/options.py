@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -10,6 +11,7 @@ import attrs
 
 from connectors.integrity import FrameSigner
 from connectors.secrets import Secret, secret_from_env, secret_from_file
+from pipeline.checks import check_float, check_int
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["REDIS_OPTIONS", "RedisOptions"]
@@ -76,9 +78,9 @@ def _password(options: Mapping[str, Any]) -> Secret | None:
 
 
 def _number(option: str, value: object) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-        raise InvalidConfigError(_name(option), value, "must be a number > 0")
-    return float(value)
+    return check_float(
+        _name(option), value, InvalidConfigError, lo=0.0, hi=math.inf, lo_open=True, allow_inf=True
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -176,9 +178,9 @@ class RedisOptions:
         if not isinstance(prefix, str):
             raise InvalidConfigError(_name("key_prefix"), prefix, "must be a string")
         ttl = options.get("ttl_s", DEFAULT_TTL_S)
-        pool_size = options.get("pool_size", 8)
-        if not isinstance(pool_size, int) or isinstance(pool_size, bool) or pool_size < 1:
-            raise InvalidConfigError(_name("pool_size"), pool_size, "must be an integer > 0")
+        pool_size = check_int(
+            _name("pool_size"), options.get("pool_size", 8), InvalidConfigError, lo=1
+        )
         return cls(
             url=url,
             password_env=options.get("password_env"),

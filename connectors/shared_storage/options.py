@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import attrs
 
 from connectors.integrity import FrameSigner
+from pipeline.checks import check_float, check_int
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["SHARED_STORAGE_OPTIONS", "SharedStorageOptions"]
@@ -25,11 +27,12 @@ SHARED_STORAGE_OPTIONS = (
 
 
 def _positive(name: str, value: object, kind: type) -> Any:
-    ok = isinstance(value, (int, float) if kind is float else int)
-    if not ok or isinstance(value, bool) or value <= 0:  # type: ignore[operator]
-        what = "a number > 0" if kind is float else "an integer > 0"
-        raise InvalidConfigError(f"connector_options[{name!r}]", value, f"must be {what}")
-    return kind(value)
+    field = f"connector_options[{name!r}]"
+    if kind is int:
+        return check_int(field, value, InvalidConfigError, lo=1)
+    return check_float(
+        field, value, InvalidConfigError, lo=0.0, hi=math.inf, lo_open=True, allow_inf=True
+    )
 
 
 @attrs.frozen(kw_only=True)

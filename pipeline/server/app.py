@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pipeline.async_engine import AsyncEngine
 from pipeline.config import EngineConfig
+from pipeline.engine.async_engine import AsyncEngine
 from pipeline.errors import EngineDeadError
 from pipeline.logs import get_logger
 from pipeline.server.completions import completions

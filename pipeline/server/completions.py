@@ -16,7 +16,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pipeline.async_engine import RequestStream
+from pipeline.engine.async_engine import RequestStream
 from pipeline.errors import EngineDeadError
 from pipeline.logs import get_logger
 from pipeline.request import RequestOutput

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pipeline.report import StepReport
+from pipeline.kernel.report import StepReport
 
 __all__ = ["LoopLagMonitor", "ServerMetrics"]
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from pipeline.checks import check_float, check_int
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["API_KEY_ENV", "ServerOptions"]
@@ -19,17 +20,12 @@ _MIB = 1024 * 1024
 
 
 def _positive_seconds(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value <= 0:  # type: ignore[operator]
-        raise InvalidConfigError(attribute.name, value, "must be a finite number of seconds > 0")
+    check_float(attribute.name, value, InvalidConfigError, lo=0.0, hi=math.inf, lo_open=True)
 
 
-def _int_at_least(low: int) -> Any:
+def _int_at_least(low: int, *, optional: bool = False) -> Any:
     def check(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
-        if value is None and attribute.name == "limit_concurrency":
-            return
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise InvalidConfigError(attribute.name, value, f"must be an integer >= {low}")
+        check_int(attribute.name, value, InvalidConfigError, lo=low, optional=optional)
 
     return check
 
@@ -65,7 +61,9 @@ class ServerOptions:
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive_seconds)
     header_timeout_s: float = attrs.field(default=10.0, validator=_positive_seconds)
     timeout_keep_alive_s: float = attrs.field(default=5.0, validator=_positive_seconds)
-    limit_concurrency: int | None = attrs.field(default=1024, validator=_int_at_least(1))
+    limit_concurrency: int | None = attrs.field(
+        default=1024, validator=_int_at_least(1, optional=True)
+    )
 
     @classmethod
     def from_env(cls, **fields: Any) -> ServerOptions:

@@ -5,6 +5,13 @@ are its parts, exported for tests, benchmarks and custom stages. ``TensorParalle
 ``init_process_group`` shard the model across worker processes (Megatron-style).
 """
 
+from connectors.device import (
+    CpuDeviceSync,
+    CudaDeviceSync,
+    DeviceEvent,
+    DeviceSync,
+    make_device_sync,
+)
 from stages.forward.attention import AttentionMetadata, build_attention_metadata, paged_attention
 from stages.forward.builtin import BUILTIN_MODELS, resolve_model_path
 from stages.forward.config import (
@@ -13,13 +20,6 @@ from stages.forward.config import (
     ModelConfig,
     RopeConfig,
     load_model_config,
-)
-from stages.forward.device import (
-    CpuDeviceSync,
-    CudaDeviceSync,
-    DeviceEvent,
-    DeviceSync,
-    make_device_sync,
 )
 from stages.forward.kv_cache import (
     allocate_kv_caches,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError
 from stages.forward.config import ModelConfig
 
@@ -86,8 +87,7 @@ class TensorParallel:
     )
 
     def __attrs_post_init__(self) -> None:
-        if not _is_int(self.size) or self.size < 1:
-            raise InvalidConfigError("world_size", self.size, "must be a positive integer")
+        check_int("world_size", self.size, InvalidConfigError, lo=1)
         if not _is_int(self.rank) or not 0 <= self.rank < self.size:
             raise InvalidConfigError("rank", self.rank, f"must be in [0, world_size={self.size})")
 
@@ -200,8 +200,7 @@ def check_tp_divisible(config: ModelConfig, size: int) -> None:
             those; the error names ``world_size``, its value and the model field with
             its value.
     """
-    if not _is_int(size) or size < 1:
-        raise InvalidConfigError("world_size", size, "must be a positive integer")
+    check_int("world_size", size, InvalidConfigError, lo=1)
     for field in ("num_attention_heads", "intermediate_size"):
         value = getattr(config, field)
         if value % size:

@@ -10,23 +10,22 @@ so the event loop stays responsive. One call at a time (not thread-safe).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from functools import partial
 
 import attrs
 import torch
 
 from connectors.base import ForwardContext, KVConnectorWorker, ModelFingerprint
+from connectors.device import DeviceSync, make_device_sync
 from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.errors import StageError
 from stages.forward.compute_thread import ComputeThread
 from stages.forward.config import ModelConfig
-from stages.forward.device import DeviceSync, make_device_sync
 from stages.forward.inputs import RequestStates
 from stages.forward.kv_cache import allocate_kv_caches, local_kv_heads
 from stages.forward.loader import LoadedModel
 from stages.forward.model import CausalLM
 from stages.forward.parallel import UNSHARDED, TensorParallel
-from stages.forward.runner_load import load_runner, resolve_device, resolve_dtype
+from stages.forward.runner_load import SharedWeights, load_parts, resolve_device, resolve_dtype
 from stages.forward.sampling import Sampler
 
 __all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
@@ -130,33 +129,47 @@ class ModelRunner:
         """Load ``model`` (a local HF directory or ``"builtin:tiny"``) and allocate the cache.
 
         Arguments, errors and blocking are those of
-        :func:`~stages.forward.runner_load.load_runner`; the loading runs on the new
-        runner's compute thread, which then runs every forward pass and sample.
+        :func:`~stages.forward.runner_load.load_parts`; the loading and the cache
+        allocation run on the new runner's compute thread, which then runs every forward
+        pass and sample.
         """
+        shared = None if shared_model is None else shared_model._shared_weights()
         compute = ComputeThread(f"kvstep-compute-r{rank}")
-        try:
-            return compute.call(
-                partial(
-                    load_runner,
-                    model,
-                    dtype=dtype,
-                    device=device,
-                    block_size=block_size,
-                    num_blocks=num_blocks,
-                    max_num_seqs=max_num_seqs,
-                    max_model_len=max_model_len,
-                    kv_cache_memory_bytes=kv_cache_memory_bytes,
-                    seed=seed,
-                    rank=rank,
-                    world_size=world_size,
-                    shared_model=shared_model,
-                    tp=tp,
-                    compute=compute,
-                )
+
+        def build() -> ModelRunner:
+            parts = load_parts(
+                model,
+                dtype=dtype,
+                device=device,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                seed=seed,
+                rank=rank,
+                world_size=world_size,
+                shared_model=shared,
+                tp=tp,
             )
+            return cls(**attrs.asdict(parts, recurse=False), compute=compute)
+
+        try:
+            return compute.call(build)
         except BaseException:
             compute.close()
             raise
+
+    def _shared_weights(self) -> SharedWeights:
+        """What this runner offers to a runner built with ``shared_model=self``."""
+        return SharedWeights(
+            loaded=self._loaded,
+            device=self.device,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            sharded=self.tp.sharded,
+            closed=self._closed,
+        )
 
     def forward_context(self, scheduler_output: SchedulerOutput) -> ForwardContext:
         """The context the connector hooks see for this step (cheap; no copies)."""

@@ -1,19 +1,21 @@
-"""How a :class:`~stages.forward.runner.ModelRunner` is built: checks, then loading.
+"""What a :class:`~stages.forward.runner.ModelRunner` is built from: checks, then loading.
 
-:func:`load_runner` is the body of ``ModelRunner.load``: it resolves the device and
-dtype, checks the sizes, ranks and tensor-parallel group, reuses a compatible
-``shared_model``'s weights or reads the checkpoint, sizes the KV cache and constructs the
-runner. Every bad argument is an :class:`~pipeline.errors.InvalidConfigError` raised
-before any weight is read.
+:func:`load_parts` is the loading half of ``ModelRunner.load``: it resolves the device
+and dtype, checks the sizes, ranks and tensor-parallel group, reuses a compatible
+:class:`SharedWeights` or reads the checkpoint, sizes the KV cache and returns the
+:class:`RunnerParts` the runner is constructed from. Every bad argument is an
+:class:`~pipeline.errors.InvalidConfigError` raised before any weight is read. This
+module knows nothing of the runner itself (only ``runner.py`` imports it).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import attrs
 import torch
 
+from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError
 from pipeline.logs import get_logger
 from stages.forward.builtin import resolve_model_path
@@ -22,11 +24,7 @@ from stages.forward.kv_cache import default_num_blocks, kv_cache_block_bytes
 from stages.forward.loader import LoadedModel, load_model
 from stages.forward.parallel import UNSHARDED, TensorParallel, check_tp_divisible
 
-if TYPE_CHECKING:
-    from stages.forward.compute_thread import ComputeThread
-    from stages.forward.runner import ModelRunner
-
-__all__ = ["load_runner", "resolve_device", "resolve_dtype"]
+__all__ = ["RunnerParts", "SharedWeights", "load_parts", "resolve_device", "resolve_dtype"]
 
 log = get_logger()
 
@@ -63,14 +61,49 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidConfigError(name, value, "must be a positive integer")
-    return value
+@attrs.frozen
+class SharedWeights:
+    """The weights an open runner offers to another in-process rank, and how it holds them.
+
+    Attributes:
+        loaded: The runner's loaded model.
+        device: Where the weights live.
+        dtype: Their dtype.
+        max_model_len: The runner's longest context (its rotary table length).
+        sharded: Whether the runner holds a tensor-parallel shard.
+        closed: Whether the runner was closed (its weights may be gone).
+    """
+
+    loaded: LoadedModel
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    sharded: bool
+    closed: bool
+
+
+@attrs.frozen(kw_only=True)
+class RunnerParts:
+    """Everything ``ModelRunner(...)`` is constructed from, checked and loaded.
+
+    The fields are the runner's keyword arguments (``attrs.asdict(parts,
+    recurse=False)``), less its compute thread.
+    """
+
+    loaded: LoadedModel
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    seed: int
+    rank: int
+    world_size: int
+    tp: TensorParallel
 
 
 def _check_tp(
-    tp: TensorParallel | None, rank: int, world_size: int, shared: ModelRunner | None
+    tp: TensorParallel | None, rank: int, world_size: int, shared: SharedWeights | None
 ) -> TensorParallel:
     """The sharding to load with (``UNSHARDED`` for ``None``), checked against the ranks."""
     if tp is None:
@@ -82,43 +115,39 @@ def _check_tp(
     if tp.sharded and shared is not None:
         raise InvalidConfigError(
             "shared_model",
-            shared.model_config.architecture,
+            shared.loaded.config.architecture,
             "cannot be combined with a sharded tp: each tensor-parallel rank loads its shard",
         )
     return tp
 
 
 def _shared(
-    other: ModelRunner,
+    other: SharedWeights,
     path: Path,
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,
 ) -> LoadedModel:
-    """``other``'s weights, when it is an open, unsharded runner of the same model.
-
-    Reads the runner's private ``_loaded`` and ``_closed``: this module is the
-    construction half of :class:`~stages.forward.runner.ModelRunner`.
-    """
+    """``other``'s weights, when it is an open, unsharded runner of the same model."""
     same = (
-        other._loaded.path.resolve() == path.resolve()
+        other.loaded.path.resolve() == path.resolve()
         and other.device == device
         and other.dtype == dtype
         and other.max_model_len >= max_model_len
-        and not other._closed
-        and not other.tp.sharded
+        and not other.closed
+        and not other.sharded
     )
     if not same:
         raise InvalidConfigError(
             "shared_model",
-            other._loaded.path,
+            other.loaded.path,
             f"must be an open, unsharded runner of {path} on {device} in {dtype} "
             f"with max_model_len >= {max_model_len}",
         )
-    return other._loaded
+    return other.loaded
 
 
-def load_runner(
+def load_parts(
     model: str,
     *,
     dtype: str = "auto",
@@ -131,11 +160,10 @@ def load_runner(
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
-    shared_model: ModelRunner | None = None,
+    shared_model: SharedWeights | None = None,
     tp: TensorParallel | None = None,
-    compute: ComputeThread | None = None,
-) -> ModelRunner:
-    """Load ``model`` (a local HF directory or ``"builtin:tiny"``) and allocate the cache.
+) -> RunnerParts:
+    """Load ``model`` (a local HF directory or ``"builtin:tiny"``) and size the cache.
 
     Args:
         model: Checkpoint directory or builtin name.
@@ -152,8 +180,6 @@ def load_runner(
         world_size: Number of ranks.
         shared_model: Reuse that runner's weights (same model, dtype and device); this
             runner still gets its own KV cache, request state and sampler.
-        compute: The thread that runs the runner's torch work (``ModelRunner.load``
-            loads on it too); a new one when ``None``.
         tp: This process's tensor-parallel group (``tp.rank == rank``,
             ``tp.size == world_size``): load only its shard and allocate its share
             of the KV heads; every rank must then run each step together. ``None``
@@ -168,8 +194,6 @@ def load_runner(
 
     Blocks on disk I/O and weight conversion; call it off the event loop.
     """
-    from stages.forward.runner import ModelRunner  # runner.py imports this module
-
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     for name, value in (
@@ -179,9 +203,8 @@ def load_runner(
         ("kv_cache_memory_bytes", kv_cache_memory_bytes),
         ("world_size", world_size),
     ):
-        _positive(name, value)
-    if num_blocks is not None:
-        _positive("num_blocks", num_blocks)
+        check_int(name, value, InvalidConfigError, lo=1)
+    check_int("num_blocks", num_blocks, InvalidConfigError, lo=1, optional=True)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InvalidConfigError("rank", rank, f"must be in [0, world_size={world_size})")
     tp = _check_tp(tp, rank, world_size, shared_model)
@@ -211,7 +234,19 @@ def load_runner(
             ),
             memory_cap_bytes=kv_cache_memory_bytes,
         )
-    runner = ModelRunner(
+    log.info(
+        "model_loaded",
+        model=model,
+        path=str(path),
+        device=str(dev),
+        dtype=str(torch_dtype).removeprefix("torch."),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        rank=rank,
+        shared=shared_model is not None,
+        tp_size=tp.size,
+    )
+    return RunnerParts(
         loaded=loaded,
         device=dev,
         dtype=torch_dtype,
@@ -222,18 +257,4 @@ def load_runner(
         rank=rank,
         world_size=world_size,
         tp=tp,
-        compute=compute,
     )
-    log.info(
-        "model_loaded",
-        model=model,
-        path=str(path),
-        device=str(dev),
-        dtype=runner.fingerprint.dtype,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        rank=rank,
-        shared=shared_model is not None,
-        tp_size=tp.size,
-    )
-    return runner

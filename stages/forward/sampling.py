@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from pipeline.checks import short_repr
 from pipeline.config import SamplingParams
+from pipeline.errors import short_repr
 from pipeline.logs import get_logger
 
 __all__ = ["RowSamples", "Sampler", "request_seed"]

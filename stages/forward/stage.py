@@ -8,7 +8,7 @@ import attrs
 
 from connectors.base import KVConnectorWorker
 from pipeline.artifacts import LoadStarted, ModelOutput, SampledTokens, SchedulerOutput
-from pipeline.context import StepContext
+from pipeline.kernel.context import StepContext
 
 if TYPE_CHECKING:
     from stages.forward.runner import ModelRunner

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["BlockPool", "KVCacheBlock"]
@@ -52,8 +53,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise InvalidConfigError("num_blocks", num_blocks, "must be a positive integer")
+        check_int("num_blocks", num_blocks, InvalidConfigError, lo=1)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import cbor2
 
+from pipeline.checks import check_int
 from pipeline.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -92,8 +93,7 @@ def hash_request_tokens(
 ) -> list[bytes]:
     """Chained hashes of every full block of ``token_ids`` (a trailing partial block is
     not hashed). Connectors use this to key a prompt without a :class:`Request`."""
-    if block_size <= 0:
-        raise InvalidRequestError("block_size", block_size, "must be a positive integer")
+    check_int("block_size", block_size, InvalidRequestError, lo=1)
     root = none_hash(hash_seed)
     hashes: list[bytes] = []
     parent: bytes | None = None
@@ -119,8 +119,7 @@ class BlockHasher:
     __slots__ = ("block_size", "hash_seed", "root")
 
     def __init__(self, block_size: int, hash_seed: int = 0) -> None:
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise InvalidRequestError("block_size", block_size, "must be a positive integer")
+        check_int("block_size", block_size, InvalidRequestError, lo=1)
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.root = none_hash(hash_seed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError
 from pipeline.request import Request
 from stages.schedule.block_pool import BlockPool, KVCacheBlock
@@ -44,8 +45,7 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise InvalidConfigError("block_size", block_size, "must be a positive integer")
+        check_int("block_size", block_size, InvalidConfigError, lo=1)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)

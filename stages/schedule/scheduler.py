@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any
 
 import attrs
 
 from connectors.base import KVConnectorScheduler
 from pipeline.artifacts import FanInOutput, SchedulerOutput
+from pipeline.checks import check_int
 from pipeline.config import LOAD_FAILURE_POLICIES, EngineConfig
 from pipeline.errors import InvalidConfigError, InvalidRequestError, StageError
 from pipeline.logs import get_logger
@@ -36,11 +36,6 @@ from stages.schedule.update import UpdatePolicy, apply_output
 log = get_logger()
 
 __all__ = ["Scheduler"]
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidConfigError(name, value, "must be a positive integer")
 
 
 class Scheduler:
@@ -83,7 +78,7 @@ class Scheduler:
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", max_model_len),
         ):
-            _check_positive(name, value)
+            check_int(name, value, InvalidConfigError, lo=1)
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise InvalidConfigError(
                 "load_failure_policy",

@@ -21,10 +21,11 @@ from connectors.base import (
     MatchResult,
     WorkerFinished,
 )
-from connectors.fault_spec import CALLS, MAX_SYNC_HANG_S
 from connectors.lifecycle import GuardedWorker
 from connectors.registry import create_connector, get_connector
 from connectors.testing import (
+    CALLS,
+    MAX_SYNC_HANG_S,
     Fault,
     FaultStage,
     FaultyConnector,
@@ -34,9 +35,9 @@ from connectors.testing import (
 )
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput
 from pipeline.config import SamplingParams
-from pipeline.context import StepContext
 from pipeline.errors import FaultInjected, GraphError, InvalidConfigError, UnknownConnectorError
-from pipeline.graph import StepGraph
+from pipeline.kernel.context import StepContext
+from pipeline.kernel.graph import StepGraph
 from pipeline.request import Request
 
 WORKER = KVConnectorRole.WORKER
@@ -398,7 +399,7 @@ class TestHang:
     ) -> None:
         """In the forward thread a hang is a bounded time.sleep, then the hook runs."""
         sleeps: list[float] = []
-        monkeypatch.setattr("connectors.fault_spec.time.sleep", sleeps.append)
+        monkeypatch.setattr("connectors.testing.fault_spec.time.sleep", sleeps.append)
         worker = _worker({"call": call, "action": "hang", "hang_s": hang_s, "layer": 1})
         for layer in range(3):
             if call == "save_kv_layer":

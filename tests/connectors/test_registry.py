@@ -236,6 +236,46 @@ class TestGetConnector:
         assert proc.returncode == 0, proc.stderr
 
 
+class TestBuiltinTable:
+    def test_every_listed_module_exists_imports_and_registers_its_name(self) -> None:
+        """Each built-in names a module that exists, imports, and registers that name
+        (in a fresh interpreter: this process's registry is a per-test copy)."""
+        code = (
+            "import importlib.util\n"
+            "from connectors import KVConnectorScheduler, KVConnectorWorker, registry\n"
+            "table = dict(registry._BUILTIN_MODULES)\n"
+            "missing = [m for m in table.values() if importlib.util.find_spec(m) is None]\n"
+            "assert missing == [], missing\n"
+            "assert set(table) <= set(registry.list_connectors()), registry.list_connectors()\n"
+            "for name, module in table.items():\n"
+            "    importlib.import_module(module)\n"
+            "    spec = registry.get_connector(name)\n"
+            "    assert spec.name == name\n"
+            "    assert issubclass(spec.scheduler_cls, KVConnectorScheduler)\n"
+            "    assert issubclass(spec.worker_cls, KVConnectorWorker)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+
+    def test_the_runtime_does_not_import_the_testing_package(self) -> None:
+        """Importing pipeline, stages and connectors imports no testing or fault module."""
+        code = (
+            "import sys, pipeline, stages, connectors\n"
+            "ours = [m for m in sys.modules if m.split('.')[0] in {'pipeline', 'stages', "
+            "'connectors'}]\n"
+            "loaded = [m for m in ours if 'testing' in m or 'fault' in m]\n"
+            "assert loaded == [], loaded\n"
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+
+
 class TestCreateConnector:
     def test_builds_the_scheduler_half(self) -> None:
         """role=SCHEDULER builds scheduler_cls(context)."""

@@ -100,7 +100,9 @@ class TestConcurrency:
         """Timers keep firing while forward passes run: the loop's lag stays far below
         the duration of the longest forward pass (which would be the lag if it blocked)."""
         gen = torch.Generator().manual_seed(2)
-        prompts = [torch.randint(0, 256, (400,), generator=gen).tolist() for _ in range(12)]
+        # ~8,000 prompt tokens: the longest forward pass must clearly exceed 20 ms (12
+        # prompts gave ~20 ms on this machine, too close to tell a blocked loop apart).
+        prompts = [torch.randint(0, 256, (400,), generator=gen).tolist() for _ in range(20)]
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         log = tmp_path / "steps.jsonl"
         lags: list[float] = []

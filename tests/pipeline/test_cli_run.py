@@ -1,4 +1,4 @@
-"""``kvstep run`` (pipeline.run_job + pipeline.cli): two passes across a restart."""
+"""``kvstep run`` (pipeline.cli.run_job + pipeline.cli): two passes across a restart."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from pipeline.cli import main
+from pipeline.cli.run_job import RunOptions, cache_dir, default_run_config
 from pipeline.config import EngineConfig
-from pipeline.run_job import RunOptions, cache_dir, default_run_config
 
 
 def _run(tmp_path: Path, *extra: str, prompts: int = 1) -> list[dict[str, Any]]:

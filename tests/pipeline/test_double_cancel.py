@@ -16,10 +16,10 @@ from connectors.lifecycle import GuardedWorker
 from connectors.testing import FaultStage, RecordingConnector, RecordingMetadata, check_lifecycle
 from pipeline.artifacts import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipeline.config import SamplingParams
-from pipeline.context import StepContext
-from pipeline.stage import Finalizer
+from pipeline.executors.worker import Worker
+from pipeline.kernel.context import StepContext
+from pipeline.kernel.stage import Finalizer
 from pipeline.steplog import StepLog
-from pipeline.worker import Worker
 from stages.forward.runner import ModelRunner
 from stages.graphs import default_worker_graph
 

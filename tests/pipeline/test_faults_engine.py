@@ -23,8 +23,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connectors.fault_spec import CALLS, Fault
-from connectors.testing import FaultStage, FaultyConnector, RecordingConnector, check_lifecycle
+from connectors.testing import (
+    CALLS,
+    Fault,
+    FaultStage,
+    FaultyConnector,
+    RecordingConnector,
+    check_lifecycle,
+)
 from pipeline import (
     AsyncEngine,
     EngineConfig,

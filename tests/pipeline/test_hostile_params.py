@@ -15,11 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import SamplingParams, wire
+from pipeline import SamplingParams
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput
 from pipeline.config import MAX_STOP_TOKEN_IDS, SAMPLING_EPS
 from pipeline.errors import InvalidRequestError
-from pipeline.wire_checks import check_sendable
+from pipeline.executors import wire
+from pipeline.executors.wire_checks import check_sendable
 
 FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
 

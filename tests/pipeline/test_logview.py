@@ -1,4 +1,4 @@
-"""Step-log summary (pipeline.logview) and the ``kvstep logs`` command."""
+"""Step-log summary (pipeline.steplogs.logview) and the ``kvstep logs`` command."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.cli import main
 from pipeline.errors import InvalidConfigError
-from pipeline.logview import load_step_log, print_summary, summarize
+from pipeline.steplogs.logview import load_step_log, print_summary, summarize
 
 WORKER_STAGES = ("bind", "load", "forward", "sample", "save", "finished", "clear")
 ENGINE_STAGES = ("schedule", "execute", "fan_in", "update")

@@ -1,4 +1,4 @@
-"""PNG stage timeline of a step log (pipeline.logplot)."""
+"""PNG stage timeline of a step log (pipeline.steplogs.logplot)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from PIL import Image
 
 from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.errors import InvalidConfigError
-from pipeline.logplot import parse_steps, write_plot
-from pipeline.logview import load_step_log
+from pipeline.steplogs.logplot import parse_steps, write_plot
+from pipeline.steplogs.logview import load_step_log
 
 
 @pytest.fixture

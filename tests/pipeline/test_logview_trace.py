@@ -1,4 +1,4 @@
-"""Chrome trace-event export of a step log (pipeline.logtrace), validated event by event."""
+"""Chrome trace-event export of a step log (pipeline.steplogs.logtrace), event by event."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from pipeline import LLM, EngineConfig, SamplingParams
-from pipeline.logtrace import ENGINE_PID, trace_events, write_trace
-from pipeline.logview import load_step_log
+from pipeline.steplogs.logtrace import ENGINE_PID, trace_events, write_trace
+from pipeline.steplogs.logview import load_step_log
 
 PHASES = {"X", "M", "b", "e"}
 METADATA = {"process_name", "process_sort_index", "thread_name", "thread_sort_index"}

@@ -29,10 +29,10 @@ from pipeline import (
     SamplingParams,
     StepContext,
     StepGraph,
-    wire,
 )
-from pipeline.channel import Channel
 from pipeline.errors import EngineDeadError, InvalidConfigError, WorkerFailedError
+from pipeline.executors import wire
+from pipeline.executors.channel import Channel
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 TIMEOUT_S = 30.0
@@ -107,7 +107,7 @@ class TestTensorParallelOutputs:
         kill the workers with SIGBUS), the ranks reduce with gloo: same tokens."""
         import os as os_module
 
-        from pipeline import remote
+        from pipeline.executors import remote
 
         real = os_module.statvfs
 
@@ -374,7 +374,7 @@ class TestConfiguration:
         error, and no worker process is left."""
         import subprocess
 
-        from pipeline import multiproc
+        from pipeline.executors import multiproc
 
         started: list[subprocess.Popen[bytes]] = []
         real_popen = subprocess.Popen

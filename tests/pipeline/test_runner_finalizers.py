@@ -10,11 +10,11 @@ import anyio
 import attrs
 import pytest
 
-from pipeline.context import StepContext
 from pipeline.errors import FinalizerError
-from pipeline.graph import StepGraph
-from pipeline.report import StepReport
-from pipeline.stage import Finalizer
+from pipeline.kernel.context import StepContext
+from pipeline.kernel.graph import StepGraph
+from pipeline.kernel.report import StepReport
+from pipeline.kernel.stage import Finalizer
 
 
 class A:

@@ -14,7 +14,7 @@ pytest.importorskip("starlette")
 from starlette.applications import Starlette
 
 from pipeline import AsyncEngine, EngineConfig, SamplingParams
-from pipeline.report import StageRecord, StepReport
+from pipeline.kernel.report import StageRecord, StepReport
 from pipeline.server import LoopLagMonitor, ServerMetrics, create_app
 
 

@@ -85,7 +85,9 @@ class TestSlowClients:
             b"Content-Length: 100\r\n\r\n{"
         )
         sock.sendall(head)
-        reply = sock.recv(65536)
+        reply = b""
+        while chunk := sock.recv(65536):  # the server closes the connection after it
+            reply += chunk
         sock.close()
         assert reply.startswith(b"HTTP/1.1 408")
         assert b'"request_timeout"' in reply

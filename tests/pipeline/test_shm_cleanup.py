@@ -52,7 +52,7 @@ def test_allreduce_file_is_unlinked_once_every_rank_is_ready(
 ) -> None:
     """Finding 14: with world_size 2 up, the all-reduce file is gone from disk, the
     tokens still equal world_size 1 in-process, and closing removes the work directory."""
-    from pipeline import multiproc
+    from pipeline.executors import multiproc
 
     with LLM(_config(llama_path)) as llm:
         reference = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]

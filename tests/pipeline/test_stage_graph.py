@@ -8,11 +8,11 @@ import anyio
 import attrs
 import pytest
 
-from pipeline.context import StepContext
 from pipeline.errors import GraphError, StageError
-from pipeline.graph import StepGraph
-from pipeline.plan import Dataflow, Parallel, decompose
-from pipeline.stage import Finalizer, FunctionStage, Stage, as_stage, is_finalizer, stage
+from pipeline.kernel.context import StepContext
+from pipeline.kernel.graph import StepGraph
+from pipeline.kernel.plan import Dataflow, Parallel, decompose
+from pipeline.kernel.stage import Finalizer, FunctionStage, Stage, as_stage, is_finalizer, stage
 
 
 class In:

@@ -13,7 +13,7 @@ import structlog
 from structlog.contextvars import bound_contextvars, get_contextvars
 
 from pipeline.errors import InvalidConfigError
-from pipeline.report import StageRecord, StepReport
+from pipeline.kernel.report import StageRecord, StepReport
 from pipeline.steplog import StepLog, bind_step
 
 

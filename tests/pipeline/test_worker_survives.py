@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from pipeline import LLM, EngineConfig, SamplingParams, wire
+from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput, WorkerOutput
-from pipeline.report import StepReport
-from pipeline.worker_steps import Records, answer, encode_reply
+from pipeline.executors import wire
+from pipeline.executors.worker_steps import Records, answer, encode_reply
+from pipeline.kernel.report import StepReport
 
 PROMPT = [3, 1, 4, 1, 5, 9]
 OTHER = [2, 7, 1, 8, 2, 8]
@@ -42,7 +43,7 @@ def _altered(**fields: Any) -> SamplingParams:
 @pytest.fixture
 def no_admission_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bypass the engine's wire check at admission, so the bad bytes really go out."""
-    from pipeline.engine import EngineCore
+    from pipeline.engine.core import EngineCore
 
     monkeypatch.setattr(EngineCore, "validate_params", lambda self, params: params, raising=False)
 

@@ -33,10 +33,10 @@ from pipeline.artifacts import (
     WorkerOutput,
 )
 from pipeline.config import EngineConfig, SamplingParams
-from pipeline.context import StepContext
 from pipeline.errors import InvalidConfigError, StageError, WorkerFailedError
-from pipeline.failure import describe_failure
-from pipeline.report import StepReport
+from pipeline.kernel.context import StepContext
+from pipeline.kernel.failure import describe_failure
+from pipeline.kernel.report import StepReport
 from pipeline.request import Request, RequestStatus
 from stages.aggregator import FanInAggregator
 from stages.fan_in import FanInStage

@@ -1,0 +1,233 @@
+"""The ``kvstep`` command line: ``run``, ``logs`` and ``serve``.
+
+Every ``EngineConfig`` field is also a flag of ``run`` and ``serve``
+(``--max-num-seqs 8``, ``--no-enable-prefix-caching``, ``--connector-options '{...}'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+
+from pipeline.config import EngineConfig
+from pipeline.errors import InvalidConfigError, KvstepError
+
+__all__ = ["build_parser", "main"]
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """The value of ``--connector-options``: a JSON object, else an argparse error."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        kind = type(value).__name__
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, not {kind} {text!r}")
+    return value
+
+
+def _flag_kind(hint: Any) -> type:
+    """What a field's flag parses to: ``bool``, ``int``, ``float``, ``dict`` or ``str``."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members = typing.get_args(hint) if union else (hint,)
+    kinds = {typing.get_origin(m) or m for m in members} - {type(None)}
+    if len(kinds) == 1 and (kind := kinds.pop()) in (bool, int, float, dict):
+        return kind
+    return str
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    for field in attrs.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind = _flag_kind(hints[field.name])
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif kind is dict:
+            parser.add_argument(flag, type=_json_object, default=None, help="a JSON object")
+        elif kind is str:
+            parser.add_argument(flag, default=None)
+        else:
+            parser.add_argument(flag, type=kind, default=None)
+
+
+def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        f.name: getattr(args, f.name)
+        for f in attrs.fields(EngineConfig)
+        if getattr(args, f.name, None) is not None
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstep`` argument parser (sub-commands ``run``, ``logs``, ``serve``)."""
+    parser = argparse.ArgumentParser(prog="kvstep", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a shared-prefix workload twice, across a restart")
+    _add_config_flags(run)
+    run.add_argument("--num-prompts", type=int, default=16)
+    run.add_argument("--prefix-len", type=int, default=192)
+    run.add_argument("--suffix-len", type=int, default=32)
+    run.add_argument("--max-tokens", type=int, default=16)
+    run.add_argument("--keep-store", action="store_true", help="do not clear the store first")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--json", type=Path, default=None, help="write the results here")
+
+    logs = sub.add_parser("logs", help="summarize a step log; export a trace or a plot")
+    logs.add_argument("file", type=Path)
+    logs.add_argument("--trace", type=Path, default=None, help="Chrome trace-event JSON")
+    logs.add_argument("--plot", type=Path, default=None, help="PNG stage timeline")
+    logs.add_argument("--steps", default=None, help="step range A:B of the plot")
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (kvstep[server])")
+    _add_config_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    _add_server_flags(serve)
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pipeline.cli.run_job import RunOptions, default_run_config, run_job
+
+    options = RunOptions(
+        num_prompts=args.num_prompts,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        max_tokens=args.max_tokens,
+        keep_store=args.keep_store,
+    )
+    config = default_run_config(**_config_fields(args))
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    console = Console()
+    with Progress(console=console, disable=args.no_progress, transient=True) as progress:
+        task = progress.add_task("requests (2 passes)", total=2 * options.num_prompts)
+        results = anyio.run(run_job, config, options, lambda: progress.advance(task))
+    table = Table(
+        title="kvstep run: shared prefixes; 2nd pass on a restarted engine",
+        caption="TTFT: median time to first token; loaded: tokens loaded from the store",
+    )
+    columns = [
+        ("name", "pass"),
+        ("requests", "reqs"),
+        ("tokens", "tokens"),
+        ("tokens_per_s", "tok/s"),
+        ("ttft_ms_median", "TTFT ms"),
+        ("loaded_tokens", "loaded"),
+        ("steps", "steps"),
+        ("finalizer_runs", "finalizers"),
+    ]
+    for _, title in columns:
+        table.add_column(title, justify="right")
+    for r in results:
+        row = attrs.asdict(r)
+        table.add_row(*(_fmt(row[key]) for key, _ in columns))
+    console.print(table)
+    if config.step_log is not None:
+        console.print(f"step log: {Path(str(config.step_log)).resolve()}", soft_wrap=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps([attrs.asdict(r) for r in results], indent=2))
+    return 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from pipeline.steplogs.logview import (
+        load_step_log,
+        parse_steps,
+        print_summary,
+        write_plot,
+        write_trace,
+    )
+
+    records = load_step_log(args.file)
+    print_summary(records)
+    if args.trace is not None:
+        n = write_trace(records, args.trace)
+        print(f"trace: {args.trace} ({n} events)")
+    if args.plot is not None:
+        write_plot(records, args.plot, steps=parse_steps(args.steps))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+_SERVER_PACKAGES = frozenset({"uvicorn", "starlette", "fastapi", "prometheus_client", "httpx"})
+
+
+def _missing_server_extra(exc: ImportError) -> int:
+    print(
+        f"kvstep: error: the server needs extra packages ({exc}); "
+        "install them with: pip install 'kvstep[server]'",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    try:
+        from pipeline.server import add_server_flags
+    except ImportError:  # no server extra: `serve` says so when it runs
+        return
+    add_server_flags(parser)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    config = EngineConfig(**_config_fields(args))
+    try:
+        from pipeline.server import serve, server_options
+    except ImportError as exc:
+        return _missing_server_extra(exc)
+    try:
+        serve(config, args.host, args.port, server_options(args))
+    except ModuleNotFoundError as exc:  # a lazy import inside serve()
+        if (exc.name or "").split(".")[0] not in _SERVER_PACKAGES:
+            raise
+        return _missing_server_extra(exc)
+    return 0
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def _config_error(args: argparse.Namespace, exc: InvalidConfigError) -> str:
+    """``exc`` as an argparse-style message, naming the flag when one was given."""
+    field = re.split(r"[\[.]", exc.field, maxsplit=1)[0]
+    given = field in attrs.fields_dict(EngineConfig) and getattr(args, field, None) is not None
+    if given:
+        flag = "--" + field.replace("_", "-")
+        return f"kvstep {args.command}: error: argument {flag}: {exc}"
+    return f"kvstep: error: {exc}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvstep`` console script; returns the exit status.
+
+    Errors of kvstep (bad config, unreadable step log) print ``kvstep: error: ...`` on
+    stderr and return 2; a bad value of a flag given names the flag, like argparse's
+    own errors (which exit with status 2).
+    """
+    args = build_parser().parse_args(argv)
+    commands = {"run": _cmd_run, "logs": _cmd_logs, "serve": _cmd_serve}
+    try:
+        return commands[args.command](args)
+    except InvalidConfigError as exc:
+        print(_config_error(args, exc), file=sys.stderr)
+        return 2
+    except KvstepError as exc:
+        print(f"kvstep: error: {exc}", file=sys.stderr)
+        return 2

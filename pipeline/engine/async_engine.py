@@ -1,0 +1,274 @@
+"""``AsyncEngine``: owns the step loop; one async iterator of outputs per request."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections import deque
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from pipeline.config import EngineConfig, SamplingParams
+from pipeline.engine.core import EngineCore, GraphArg
+from pipeline.errors import EngineDeadError, EngineOverloaded, InvalidRequestError
+from pipeline.logs import get_logger
+from pipeline.request import RequestOutput
+
+__all__ = ["AsyncEngine", "RequestStream"]
+
+_log = get_logger()
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator.
+
+    Cancelling the task that iterates it (a client gone), calling :meth:`aclose`, or
+    dropping it unfinished aborts the request and frees its blocks.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        send, receive = anyio.create_memory_object_stream[RequestOutput | BaseException](math.inf)
+        self._send: MemoryObjectSendStream[RequestOutput | BaseException] = send
+        self._receive: MemoryObjectReceiveStream[RequestOutput | BaseException] = receive
+        self.finished = False
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._close()
+            raise StopAsyncIteration from None
+        except anyio.get_cancelled_exc_class():
+            self._abandon()
+            raise
+        if isinstance(item, BaseException):
+            self._close()
+            raise item
+        if item.finished:
+            self._close()
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request if it has not finished; idempotent."""
+        self._abandon()
+
+    def _close(self) -> None:
+        self.finished = True
+        self._done = True
+        self._receive.close()
+
+    def _abandon(self) -> None:
+        if not self.finished:
+            self._engine._request_abort(self.request_id)
+        self._close()
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        # A consumer that is gone leaves the request to the abort path.
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._send.send_nowait(item)
+        if isinstance(item, BaseException) or item.finished:
+            self._send.close()
+
+    def _end(self) -> None:
+        """Engine side: no more outputs will come."""
+        self._send.close()
+
+    def __del__(self) -> None:
+        if not self.finished:
+            self._engine._request_abort(self.request_id)
+        self._send.close()
+        self._receive.close()
+
+
+class AsyncEngine:
+    """An engine embedded in an async program (asyncio, or trio through anyio).
+
+    Use as ``async with AsyncEngine(config) as engine``; the step loop runs while the
+    context is open and stops (aborting what is left) when it closes.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        worker_graph: GraphArg = None,
+        engine_graph: GraphArg = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self._graphs: dict[str, Any] = {"worker_graph": worker_graph, "engine_graph": engine_graph}
+        self._core: EngineCore | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._aborts: deque[str] = deque()
+        self._abort_lock = threading.Lock()
+        self._wakeup = anyio.Event()
+        self._dead: BaseException | None = None
+        self._tg: TaskGroup | None = None
+        self.num_steps = 0
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the step loop is open (inside ``async with``) and has not died."""
+        return self._core is not None and self._dead is None
+
+    @property
+    def is_dead(self) -> bool:
+        """Whether the step loop died; every ``generate`` then raises ``EngineDeadError``."""
+        return self._dead is not None
+
+    @property
+    def core(self) -> EngineCore:
+        if self._core is None:
+            raise EngineDeadError("the engine is not running: use `async with AsyncEngine(...)`")
+        return self._core
+
+    async def __aenter__(self) -> AsyncEngine:
+        self._core = await anyio.to_thread.run_sync(lambda: EngineCore(self.config, **self._graphs))
+        self._wakeup = anyio.Event()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._loop)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+                await self._tg.__aexit__(None, None, None)
+        finally:
+            self._tg = None
+            core, self._core = self._core, None
+            if core is not None:
+                with anyio.CancelScope(shield=True):
+                    core.abort(list(self._streams))
+                    await core.aclose()
+            for stream in list(self._streams.values()):
+                stream._deliver(EngineDeadError("the engine was closed"))
+            self._streams.clear()
+        return None
+
+    # ----------------------------------------------------------------- requests
+
+    def generate(
+        self,
+        prompt: list[int] | str,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Admit one request; iterate the result for its outputs.
+
+        Raises at once (before anything is queued): ``InvalidRequestError`` for a bad
+        prompt, ``EngineOverloaded`` past ``max_queue_depth``, ``EngineDeadError`` when
+        the step loop has died.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine's step loop died: {self._dead!r}") from self._dead
+        core = self.core
+        token_ids = core.validate_prompt(prompt)
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params", params, "must be a SamplingParams")
+        if len(self._streams) >= self.config.max_queue_depth:
+            raise EngineOverloaded(len(self._streams), self.config.max_queue_depth)
+        request_id = request_id or core.new_request_id()
+        if request_id in self._streams:
+            raise InvalidRequestError(
+                "request_id", request_id, "must be unique among live requests"
+            )
+        stream = RequestStream(self, request_id)
+        core.add_request(request_id, token_ids, params)
+        self._streams[request_id] = stream
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with ``finish_reason="abort"``. Thread-safe."""
+        self._request_abort(request_id)
+
+    def _request_abort(self, request_id: str) -> None:
+        with self._abort_lock:
+            self._aborts.append(request_id)
+        # Event.set is not thread-safe; the loop also polls the deque before each step.
+        with contextlib.suppress(RuntimeError):
+            self._wakeup.set()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests admitted and not yet finished."""
+        return len(self._streams)
+
+    def leak_report(self) -> dict[str, int]:
+        report = self.core.leak_report()
+        report["streams"] = len(self._streams)
+        return report
+
+    # --------------------------------------------------------------------- loop
+
+    def _apply_aborts(self, core: EngineCore) -> None:
+        with self._abort_lock:
+            ids = list(self._aborts)
+            self._aborts.clear()
+        if ids:
+            self._publish(core.abort(ids))
+            for request_id in ids:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream._end()
+
+    def _publish(self, outputs: tuple[RequestOutput, ...] | list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream._deliver(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    async def _loop(self) -> None:
+        core = self.core
+        try:
+            while True:
+                self._apply_aborts(core)
+                if not core.has_work():
+                    with anyio.move_on_after(0.05):  # also polls aborts from other threads
+                        await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
+                    continue
+                result = await core.step()
+                self.num_steps += 1
+                self._publish(result.outputs)
+                await anyio.lowlevel.checkpoint()
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            self._dead = exc
+            _log.error("engine_dead", error=repr(exc))
+            dead = EngineDeadError(f"the engine's step loop died: {exc!r}")
+            dead.__cause__ = exc
+            for stream in list(self._streams.values()):
+                stream._deliver(dead)
+            try:  # release what the dead loop held; the scheduler may be inconsistent
+                core.abort(list(self._streams))
+            except Exception as abort_exc:
+                _log.error("engine_dead_abort_failed", error=repr(abort_exc))
+            self._streams.clear()

@@ -1,0 +1,303 @@
+"""The engine core: scheduler, executor and both step graphs, stepped one step at a time.
+
+:class:`EngineCore` is driven by :class:`~pipeline.engine.async_engine.AsyncEngine` (which owns
+the step loop) and, through it, by :class:`~pipeline.engine.llm.LLM`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+
+import anyio
+import attrs
+
+from connectors.base import KVConnectorRole, KVConnectorScheduler
+from connectors.registry import create_connector, get_connector
+from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
+from pipeline.config import EngineConfig, SamplingParams
+from pipeline.errors import EngineDeadError, InvalidRequestError, StepCancelledError
+from pipeline.executors.backends import start_executor
+from pipeline.executors.protocol import Executor
+from pipeline.executors.wire_checks import check_sendable
+from pipeline.executors.worker import Worker
+from pipeline.executors.worker_factory import GraphArg, apply_graph, connector_context
+from pipeline.kernel.context import StepContext
+from pipeline.kernel.failure import describe_failure
+from pipeline.logs import get_logger
+from pipeline.request import Request, RequestOutput
+from pipeline.steplog import StepLog, bind_step
+from pipeline.tokenizer import load_tokenizer
+from stages.fan_in import FanInAggregator
+from stages.graphs import default_engine_graph
+from stages.schedule.scheduler import Scheduler
+
+__all__ = ["EngineCore", "GraphArg"]
+
+_log = get_logger()
+
+
+def _uncancel() -> None:
+    """Consume a native ``task.cancel()`` that was turned into a step failure (asyncio)."""
+    try:
+        import asyncio
+
+        task = asyncio.current_task()
+    except RuntimeError:  # not running under asyncio (trio has no native cancel)
+        return
+    if task is not None and task.cancelling():
+        task.uncancel()
+
+
+class EngineCore:
+    """Everything one engine owns. Not thread-safe: used from one event loop.
+
+    Args:
+        config: The engine configuration.
+        worker_graph: A :class:`StepGraph` for every rank, or a function from the default
+            worker graph of a rank to a new one.
+        engine_graph: Likewise for the engine graph.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        worker_graph: GraphArg = None,
+        engine_graph: GraphArg = None,
+    ) -> None:
+        if config.connector is not None:
+            get_connector(config.connector)  # unknown names fail before the model loads
+        self.config = config
+        self.step_log = StepLog(config.step_log)
+        self.workers: list[Worker] = []  # in-process ranks only
+        self.executor: Executor
+        try:
+            started = start_executor(config, step_log=self.step_log, worker_graph=worker_graph)
+            self.executor = started.executor
+            self.workers = list(started.workers)
+            self.model_config = started.model_config
+            self.fingerprint = started.fingerprint
+            num_blocks = started.num_blocks
+            self.tokenizer = load_tokenizer(config.model)
+            self.connector: KVConnectorScheduler | None = None
+            if config.connector is not None:
+                self.connector = create_connector(
+                    config.connector,
+                    KVConnectorRole.SCHEDULER,
+                    connector_context(
+                        config,
+                        role=KVConnectorRole.SCHEDULER,
+                        rank=0,
+                        fingerprint=self.fingerprint,
+                    ),
+                )
+            self.scheduler = Scheduler.from_config(
+                config, num_blocks=num_blocks, connector=self.connector
+            )
+        except BaseException:
+            self._abandon()
+            raise
+        self.aggregator = FanInAggregator(config.world_size, lease_s=config.transfer_lease_s)
+        self.engine_graph = apply_graph(
+            engine_graph,
+            default_engine_graph(
+                self.scheduler,
+                self.executor,
+                aggregator=self.aggregator,
+                fan_in_timeout_s=config.fan_in_timeout_s,
+            ),
+        )
+        self._ids = itertools.count()
+        self._closed = False
+
+    def _abandon(self) -> None:
+        """Release what a failed ``__init__`` had started (worker processes, runners)."""
+        kill = getattr(getattr(self, "executor", None), "kill", None)
+        if kill is not None:
+            kill()
+        for worker in self.workers:
+            close = getattr(worker.runner, "close", None)
+            if close is not None:
+                close()
+        self.step_log.close()
+
+    # ----------------------------------------------------------------- requests
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def validate_prompt(self, prompt: object) -> list[int]:
+        """Return the prompt as token ids, or raise ``InvalidRequestError`` naming it."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "prompt",
+                    prompt[:40],
+                    "text prompts need a tokenizer.json in the model directory; pass token ids",
+                )
+            prompt = self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+            raise InvalidRequestError("prompt", prompt, "must be a list of token ids")
+        if len(prompt) == 0:
+            raise InvalidRequestError("prompt", prompt, "must hold at least one token id")
+        vocab = self.model_config.vocab_size
+        for tok in prompt:
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
+                raise InvalidRequestError("token id", tok, f"must be an integer in [0, {vocab})")
+        limit = min(self.config.max_model_len, self.scheduler.num_blocks * self.config.block_size)
+        if len(prompt) >= limit:
+            raise InvalidRequestError(
+                "prompt length",
+                len(prompt),
+                f"must be shorter than max_model_len={self.config.max_model_len}"
+                + (
+                    f" and the KV cache's {limit} tokens"
+                    if limit < self.config.max_model_len
+                    else ""
+                ),
+            )
+        return list(prompt)
+
+    def validate_params(self, params: object) -> SamplingParams:
+        """Return ``params`` if the workers will accept it, or raise ``InvalidRequestError``.
+
+        ``SamplingParams`` checks its fields at construction; this also refuses what is
+        not one, or one altered since, so that an admitted request always crosses the wire.
+        """
+        return check_sendable(params)
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Admit one request (its prompt already validated).
+
+        Raises:
+            InvalidRequestError: ``params`` is not a ``SamplingParams`` the workers'
+                decoder accepts (e.g. altered after it was checked).
+        """
+        self.validate_params(params)
+        eos = self.model_config.eos_token_id
+        if isinstance(eos, list | tuple):
+            eos = eos[0] if eos else None
+        self.scheduler.add_request(Request(request_id, prompt, params, eos_token_id=eos))
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        aborted = self.scheduler.abort_requests(request_ids)
+        self.aggregator.forget(out.request_id for out in aborted)
+        return aborted
+
+    def has_work(self) -> bool:
+        """Whether a step would make progress: requests left, delayed frees, transfers
+        the connector or fan-in still wait for (their lease expires on a step)."""
+        if self.executor.check_alive() is not None:
+            return True  # the next step raises EngineDeadError at once
+        waiting = self.aggregator.num_pending > 0
+        return self.scheduler.has_unfinished_requests() or waiting or self._connector_pending()
+
+    def _connector_pending(self) -> bool:
+        if self.connector is None:
+            return False
+        try:
+            return bool(self.connector.has_pending_work())
+        except Exception as exc:  # a failing probe must not kill the loop; assume drained
+            _log.error("connector has_pending_work failed", error=repr(exc))
+            return False
+
+    # --------------------------------------------------------------------- step
+
+    async def step(self) -> EngineStepOutput:
+        """Run one engine step. A failing step fails its own requests, not the engine.
+
+        Raises only when the scheduler itself failed (no SchedulerOutput was produced),
+        which leaves the engine in an unknown state.
+        """
+        self._raise_if_dead()
+        ctx = StepContext(self.scheduler.next_step_id, None)
+        with bind_step(ctx.step_id):
+            try:
+                try:
+                    await self.engine_graph.run(ctx)
+                except anyio.get_cancelled_exc_class() as cancel:
+                    if anyio.current_effective_deadline() == -math.inf:
+                        raise  # a cancel scope around the engine asked: propagate
+                    _uncancel()
+                    raise StepCancelledError(ctx.step_id) from cancel
+                result = ctx.get(EngineStepOutput)
+            except Exception as exc:
+                scheduler_output = ctx.maybe(SchedulerOutput)
+                if scheduler_output is None:
+                    raise
+                self._raise_if_dead()
+                failure = describe_failure(scheduler_output.step_id, exc, ctx.report)
+                req_ids = [r.req_id for r in scheduler_output.requests]
+                self.aggregator.forget(req_ids)
+                failed = self.scheduler.fail_requests(req_ids, str(failure))
+                _log.error(
+                    "step_failed",
+                    step_id=scheduler_output.step_id,
+                    failed_stages=failure.failed_stages,
+                    ranks=failure.ranks,
+                    error=failure.message,
+                    requests=req_ids,
+                )
+                result = EngineStepOutput(
+                    step_id=scheduler_output.step_id,
+                    outputs=tuple(attrs.evolve(out, failure=failure) for out in failed),
+                    num_requests=len(req_ids),
+                )
+            finally:
+                if ctx.report is not None:
+                    self._log_step(ctx)
+        return result
+
+    def _raise_if_dead(self) -> None:
+        # The executor's recorded failure only: has_work() polls the workers (the loop
+        # calls it before every step), and a step notices a death through its replies.
+        failure = self.executor.failure
+        if failure is not None:
+            raise EngineDeadError(
+                f"worker rank {failure.rank} died: {failure.reason}; "
+                f"the {self.config.executor} executor cannot run another step"
+            ) from failure
+
+    def _log_step(self, ctx: StepContext) -> None:
+        assert ctx.report is not None
+        so = ctx.maybe(SchedulerOutput)
+        merged = ctx.maybe(FanInOutput)
+        out = ctx.maybe(EngineStepOutput)
+        finished = [o.request_id for o in out.outputs if o.finished] if out is not None else []
+        stats = out.stats if out is not None else None
+        self.step_log.record_step(
+            ctx.report,
+            kind="engine",
+            scheduler_step_id=so.step_id if so is not None else None,
+            batch_size=len(so.requests) if so is not None else 0,
+            requests=[r.req_id for r in so.requests] if so is not None else [],
+            num_tokens=so.total_num_scheduled_tokens if so is not None else 0,
+            loaded_tokens=stats.loaded_tokens if stats else 0,
+            loaded_bytes=stats.loaded_bytes if stats else 0,
+            saved_tokens=stats.saved_tokens if stats else 0,
+            saved_bytes=stats.saved_bytes if stats else 0,
+            finished=finished,
+            load_error_blocks=len(merged.invalid_block_ids) if merged is not None else 0,
+            failed_save_requests=sorted(merged.failed_save_req_ids) if merged is not None else [],
+        )
+
+    # ------------------------------------------------------------ introspection
+
+    def leak_report(self) -> dict[str, int]:
+        """Counts that must all be 0 when the engine is idle (blocks, requests, transfers)."""
+        report = dict(self.scheduler.leak_report())
+        report["fan_in_pending"] = self.aggregator.num_pending
+        report["bound_metadata"] = self.executor.bound_metadata()
+        return report
+
+    async def aclose(self) -> None:
+        """Close workers, connectors and the step log; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.executor.shutdown()
+        finally:
+            self.step_log.close()

@@ -1,0 +1,207 @@
+"""The execution plan of a step graph's body, computed once when the graph is built.
+
+The body's stages form a partial order (a stage follows every stage whose artifact it
+requires). The plan is the modular decomposition of that order:
+
+* a **series** (a plain ``tuple``) runs its items one after the other, awaited directly
+  by the runner: a linear chain costs no task at all;
+* a :class:`Parallel` block runs its branches concurrently in one task group (the first
+  branch in the current task, the others as spawned tasks);
+* a :class:`Dataflow` block, for the rare part that is not series-parallel (an "N"
+  shape), runs one task per stage, each waiting on an event per predecessor.
+
+Each form waits exactly for what the dataflow requires, so the plan never delays a stage
+whose inputs are ready. Stage indices are positions in the graph's ``stages`` tuple.
+:class:`StepPlan` bundles the body plan with the bound methods the runner calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import attrs
+
+from pipeline.kernel.validate import has_drain
+
+if TYPE_CHECKING:
+    from pipeline.kernel.context import StepContext
+    from pipeline.kernel.stage import Stage
+
+__all__ = ["Dataflow", "FinalizerPlan", "Item", "Parallel", "StepPlan", "decompose", "describe"]
+
+
+@attrs.frozen
+class Parallel:
+    """Branches with no order between them; each branch is an item (often a series)."""
+
+    branches: tuple[Item, ...]
+
+
+@attrs.frozen
+class Dataflow:
+    """Stages run as tasks; ``waits[k]`` lists the members ``members[k]`` waits for."""
+
+    members: tuple[int, ...]
+    waits: tuple[tuple[int, ...], ...]
+
+
+Item: TypeAlias = "int | tuple[Item, ...] | Parallel | Dataflow"
+"""A stage index, a series of items, or a block."""
+
+
+def _components(nodes: Sequence[int], linked: Callable[[int, int], bool]) -> list[list[int]]:
+    """Connected components of ``nodes`` under ``linked``, each in the order of ``nodes``."""
+    label = {n: n for n in nodes}
+
+    def root(n: int) -> int:
+        while label[n] != n:
+            label[n] = label[label[n]]
+            n = label[n]
+        return n
+
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1 :]:
+            if linked(a, b):
+                label[root(a)] = root(b)
+    groups: dict[int, list[int]] = {}
+    for n in nodes:
+        groups.setdefault(root(n), []).append(n)
+    return sorted(groups.values(), key=lambda g: nodes.index(g[0]))
+
+
+def decompose(order: Sequence[int], deps: Sequence[Sequence[int]]) -> tuple[Item, ...]:
+    """Return the body plan as a top-level series.
+
+    Args:
+        order: Every stage index, in a topological order.
+        deps: ``deps[i]``: the stages whose artifacts stage ``i`` requires.
+    """
+    ancestors = [0] * len(deps)
+    for i in order:
+        for d in deps[i]:
+            ancestors[i] |= ancestors[d] | (1 << d)
+
+    def before(a: int, b: int) -> bool:
+        return bool((ancestors[b] >> a) & 1)
+
+    def comparable(a: int, b: int) -> bool:
+        return before(a, b) or before(b, a)
+
+    def split(nodes: list[int]) -> Item:
+        if len(nodes) == 1:
+            return nodes[0]
+        independent = _components(nodes, comparable)
+        if len(independent) > 1:
+            return Parallel(tuple(split(group) for group in independent))
+        ordered = _components(nodes, lambda a, b: not comparable(a, b))
+        if len(ordered) > 1:
+            series: list[Item] = []
+            for group in ordered:
+                part = split(group)
+                series.extend(part if isinstance(part, tuple) else (part,))
+            return tuple(series)
+        waits = []
+        for n in nodes:
+            preds = [m for m in nodes if before(m, n)]
+            direct = [m for m in preds if not any(before(m, k) for k in preds)]
+            waits.append(tuple(direct))
+        return Dataflow(tuple(nodes), tuple(waits))
+
+    if not order:
+        return ()
+    top = split(list(order))
+    return top if isinstance(top, tuple) else (top,)
+
+
+def describe(item: Item, names: Sequence[str]) -> str:
+    """Render an item: ``a → b``, parallel branches as ``{a | b}``.
+
+    A :class:`Dataflow` block is shown level by level (``{a | b} → {c | d}``), which
+    is approximate: a stage may start before the whole previous level is done.
+    """
+    if isinstance(item, int):
+        return names[item]
+    if isinstance(item, tuple):
+        return " → ".join(describe(part, names) for part in item)
+    if isinstance(item, Parallel):
+        return "{" + " | ".join(describe(b, names) for b in item.branches) + "}"
+    level: dict[int, int] = {}
+    for member, waits in zip(item.members, item.waits, strict=True):
+        level[member] = 1 + max((level[w] for w in waits), default=-1)
+    rows = [
+        [names[m] for m in item.members if level[m] == depth]
+        for depth in range(max(level.values()) + 1)
+    ]
+    return " → ".join(row[0] if len(row) == 1 else "{" + " | ".join(row) + "}" for row in rows)
+
+
+@attrs.frozen
+class FinalizerPlan:
+    """A finalizer as the runner calls it: ``drain`` is ``None`` when it has nothing to await."""
+
+    name: str
+    drain: Callable[[StepContext], Awaitable[None]] | None
+    finalize: Callable[[StepContext], None]
+    timeout_s: float
+
+
+@attrs.frozen
+class StepPlan:
+    """Everything the runner needs, resolved once per graph; immutable and shareable.
+
+    Attributes:
+        body: The body plan as a top-level series (see :mod:`pipeline.kernel.plan`).
+        names: Body stage names, by stage index.
+        runs: Bound ``run`` methods, by stage index.
+        provides: ``provides`` types, by stage index.
+        order: Stage indices in the order reports list them (topological).
+        inputs: Types the context must hold before the body starts.
+        finalizers: The finalizers, in the order they run (reversed declaration).
+    """
+
+    body: tuple[Item, ...]
+    names: tuple[str, ...]
+    runs: tuple[Callable[[StepContext], Awaitable[Any]], ...]
+    provides: tuple[type | None, ...]
+    order: tuple[int, ...]
+    inputs: tuple[type, ...]
+    finalizers: tuple[FinalizerPlan, ...]
+
+    @classmethod
+    def build(
+        cls,
+        stages: Sequence[Stage],
+        finalizers: Sequence[Stage],
+        inputs: tuple[type, ...],
+        body: tuple[Item, ...],
+    ) -> StepPlan:
+        """Resolve bound methods and flags of validated stages (called by StepGraph)."""
+        fins = tuple(
+            FinalizerPlan(
+                name=f.name,
+                drain=f.run if has_drain(f) else None,
+                finalize=f.finalize,  # type: ignore[attr-defined]
+                timeout_s=float(f.timeout_s),  # type: ignore[attr-defined]
+            )
+            for f in reversed(finalizers)
+        )
+        return cls(
+            body=body,
+            names=tuple(s.name for s in stages),
+            runs=tuple(s.run for s in stages),
+            provides=tuple(s.provides for s in stages),
+            order=tuple(_flatten(body)),
+            inputs=inputs,
+            finalizers=fins,
+        )
+
+
+def _flatten(item: Item | tuple[Item, ...]) -> list[int]:
+    if isinstance(item, int):
+        return [item]
+    if isinstance(item, Parallel):
+        return [i for b in item.branches for i in _flatten(b)]
+    if isinstance(item, Dataflow):
+        return list(item.members)
+    return [i for part in item for i in _flatten(part)]
