@@ -18,7 +18,9 @@ objects (in-process executor, ``FanInAggregator``) whose worker graph has the de
 shape ``bind → load → forward → {sample | save} → finished ⟂ clear`` made of no-op
 stages, so no model runs: median µs per step with 1 rank and with 4, and their ratio;
 "1 worker alone" is one ``Worker.step`` awaited directly, so "fan-in added" is the cost
-of the execute/fan_in stages themselves.
+of the execute/fan_in stages themselves (``execute`` runs the ranks under the deadline,
+``fan_in`` merges their outputs; the two together do what they did when ``fan_in``
+awaited the ranks, so the numbers compare across that change).
 
     python benchmarks/step_overhead.py [--steps N] [--json PATH] [--backend asyncio|trio]
 """
@@ -58,8 +60,8 @@ from pipeline.kernel.context import StepContext
 from pipeline.kernel.graph import StepGraph
 from pipeline.kernel.stage import Finalizer
 from pipeline.steplog import StepLog
+from stages.execute import ExecuteStage
 from stages.fan_in import FanInAggregator, FanInStage
-from stages.schedule_stage import ExecuteStage
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "step_overhead.json"
 ARTIFACTS = tuple(type(f"A{i}", (), {"__slots__": ()}) for i in range(10))

@@ -5,8 +5,9 @@ Which method runs where (stage of the engine or worker graph, process, thread)::
     scheduler half: engine process, event loop     worker half: each rank, per step
     ──────────────────────────────────────────     ──────────────────────────────────────
     schedule stage:                                bind stage (event loop):
-      get_num_new_matched_tokens  per waiting        bind_connector_metadata   once
-                                  request, per try load stage (event loop):
+      get_num_new_matched_tokens  per waiting        begin_step                once
+                                  request, per try   bind_connector_metadata   once
+                                                   load stage (event loop):
       update_state_after_alloc    per allocation     start_load_kv             once, async
       build_connector_meta        once per step    forward stage (compute thread):
     update stage:                                    wait_for_layer_load  ┐ per layer,
@@ -372,8 +373,9 @@ class KVConnectorWorker(abc.ABC):  # noqa: B024
     event loop; a worker process (multiproc, Ray) runs one rank on its own loop. Per
     step, on each rank, in this order (the guard refuses any other)::
 
-        bind_connector_metadata → start_load_kv → (wait_for_layer_load | save_kv_layer)*
-            → wait_for_save → get_finished → clear_connector_metadata
+        begin_step → bind_connector_metadata → start_load_kv
+            → (wait_for_layer_load | save_kv_layer)* → wait_for_save → get_finished
+            → clear_connector_metadata
 
     The step-level calls run on the rank's event loop; the ``async`` ones may wait and
     are cancelled when the step is (a fan-in deadline, another rank's failure, an engine
@@ -390,6 +392,19 @@ class KVConnectorWorker(abc.ABC):  # noqa: B024
     def __init__(self, context: ConnectorContext) -> None:
         self.context = context
         self._metadata: KVConnectorMetadata | None = None
+
+    def begin_step(self, step_id: int) -> None:  # noqa: B027
+        """Open step ``step_id`` on this rank.
+
+        Called by the ``bind`` stage, first in every step on every rank, whether or not
+        the step carries metadata, before :meth:`bind_connector_metadata`. Rank's event
+        loop; synchronous, never blocks; cancellation cannot land inside it. The default
+        does nothing; the lifecycle guard (:class:`connectors.lifecycle.GuardedWorker`)
+        checks here that the previous step was cleared.
+
+        Raises:
+            Exception: The step fails on this rank; clear still runs.
+        """
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:  # noqa: B027
         """Receive this rank's paged KV cache, before the first step.
@@ -410,8 +425,8 @@ class KVConnectorWorker(abc.ABC):  # noqa: B024
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         """Bind this step's metadata.
 
-        Called by the ``bind`` stage, first in the step, once per step on every rank,
-        only when the step carries metadata. Rank's event loop; synchronous, never
+        Called by the ``bind`` stage, right after :meth:`begin_step`, once per step on
+        every rank, only when the step carries metadata. Rank's event loop; synchronous, never
         blocks; cancellation cannot land inside it.
 
         Args:

@@ -198,7 +198,7 @@ class GuardedWorker(KVConnectorWorker):
         )
 
     def begin_step(self, step_id: int) -> None:
-        """Open step ``step_id``; called by the worker before it runs its step graph.
+        """Open step ``step_id``; called by the ``bind`` stage, first in every step.
 
         Allowed before the first step and after the previous step's clear. Synchronous,
         never blocks; thread-safe.

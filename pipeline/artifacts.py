@@ -22,7 +22,7 @@ __all__ = [
     "LoadStarted",
     "MetadataBound",
     "ModelOutput",
-    "PendingWorkerOutputs",
+    "RankOutputs",
     "SaveResult",
     "SampledTokens",
     "ScheduledRequest",
@@ -202,18 +202,18 @@ class WorkerOutput:
 
 
 @attrs.frozen(kw_only=True)
-class PendingWorkerOutputs:
-    """The executor's handles for one step: one awaitable per rank (awaited by fan-in).
+class RankOutputs:
+    """Every rank's ``WorkerOutput`` of one step, as ``execute`` collected them.
 
     Attributes:
         step_id: The step.
-        waiters: One zero-argument async callable per rank, returning its WorkerOutput.
+        outputs: One output per rank, in rank order (rank 0, the driver, first).
         request_errors: Requests the executor left out of the step because they could
             not be sent to the workers (e.g. not encodable), with why; each fails alone.
     """
 
     step_id: int
-    waiters: tuple[Any, ...]
+    outputs: tuple[WorkerOutput, ...]
     request_errors: dict[str, str] = attrs.field(factory=dict)
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "SAMPLING_EPS",
     "EngineConfig",
     "SamplingParams",
+    "config_values",
 ]
 
 EXECUTORS = ("inprocess", "multiproc", "ray")
@@ -205,6 +206,24 @@ class EngineConfig:
     finalizer_timeout_s: float = attrs.field(default=30.0, validator=_non_negative_float)
     transfer_lease_s: float = attrs.field(default=60.0, validator=_positive_float)
     seed: int = attrs.field(default=0, validator=_int64)
+
+
+def config_values(config: EngineConfig, spec: type[Any], **renamed: str) -> dict[str, Any]:
+    """The keyword arguments of the attrs class ``spec`` that ``config`` holds.
+
+    A spec (a stage's or the runner's settings, derived once by its ``from_config``) names
+    its fields as ``EngineConfig`` does, so its field list is the only list of what it
+    takes; ``renamed`` maps a field that the spec names otherwise to the ``EngineConfig``
+    field it reads (``num_blocks="num_gpu_blocks"``).
+
+    Raises:
+        AttributeError: A field of ``spec`` that ``EngineConfig`` lacks (a programming
+            error, caught by any test that builds the spec).
+    """
+    return {
+        field.name: getattr(config, renamed.get(field.name, field.name))
+        for field in attrs.fields(spec)
+    }
 
 
 def _stop_token_ids(values: Iterable[int]) -> frozenset[int]:

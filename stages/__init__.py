@@ -1,7 +1,7 @@
 """kvstep's built-in stages and the default step graphs built from them.
 
-engine:  schedule → execute → fan_in → update
-worker:  bind → load → forward → {sample | save} → finished ⟂ clear
+engine:  schedule → execute → fan_in → update ⟂ fail_step
+worker:  bind → load → forward → {sample | save} → finished ⟂ clear → drop_finished
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from __future__ import annotations
 # on, and its engine is built from this package.
 import pipeline  # noqa: F401
 from stages.bind import BindStage
+from stages.drop_finished import DropFinishedStage, DropsRequests
+from stages.execute import ExecuteStage, Executor, SubmittedStep
+from stages.fail_step import FailStepStage
 from stages.fan_in import FanInAggregator, FanInStage
 from stages.finalize import ClearConnectorStage
 from stages.finished import FinishedStage
@@ -18,13 +21,16 @@ from stages.forward.stage import ForwardStage, SampleStage
 from stages.graphs import default_engine_graph, default_worker_graph
 from stages.load import LoadStage
 from stages.save import SaveStage
-from stages.schedule_stage import ExecuteStage, Executor, ScheduleStage, UpdateStage
+from stages.schedule_stage import ScheduleStage, UpdateStage
 
 __all__ = [
     "BindStage",
     "ClearConnectorStage",
+    "DropFinishedStage",
+    "DropsRequests",
     "ExecuteStage",
     "Executor",
+    "FailStepStage",
     "FanInAggregator",
     "FanInStage",
     "FinishedStage",
@@ -33,6 +39,7 @@ __all__ = [
     "SampleStage",
     "SaveStage",
     "ScheduleStage",
+    "SubmittedStep",
     "UpdateStage",
     "default_engine_graph",
     "default_worker_graph",

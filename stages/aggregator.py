@@ -158,7 +158,8 @@ class FanInAggregator:
     ) -> None:
         """Record only the finished transfers of a step that failed; release nothing.
 
-        The ranks that did answer have handed over their reports, which their connectors
+        Called by the engine's ``fail_step`` finalizer when ``execute`` failed. The
+        ranks that did answer have handed over their reports, which their connectors
         will not repeat; the entries they complete are released by the next ``merge``.
         Tokens, load errors and stats of a failed step are not kept (its requests fail).
 

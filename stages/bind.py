@@ -1,4 +1,4 @@
-"""``bind``: hand this step's connector metadata to the worker-side connector."""
+"""``bind``: open the connector's step and hand it this step's metadata."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ __all__ = ["BindStage"]
 
 @attrs.frozen
 class BindStage:
-    """Binds ``SchedulerOutput.kv_connector_metadata`` on this rank's connector.
+    """Opens the connector's step and binds ``SchedulerOutput.kv_connector_metadata``.
 
-    Without a connector (or on a step whose metadata is ``None``) it binds nothing; the
-    ``clear`` finalizer runs either way.
+    With a connector it calls ``begin_step`` on every step (the lifecycle guard checks
+    that the previous step was cleared), then binds the step's metadata unless it is
+    ``None``. Without a connector it does nothing. The ``clear`` finalizer runs either
+    way. Synchronous work only: no cancellation point.
     """
 
     name: ClassVar[str] = "bind"
@@ -28,8 +30,12 @@ class BindStage:
     connector: KVConnectorWorker | None = None
 
     async def run(self, ctx: StepContext) -> MetadataBound:
-        metadata = ctx.get(SchedulerOutput).kv_connector_metadata
-        if self.connector is None or metadata is None:
+        if self.connector is None:
+            return MetadataBound(False)
+        scheduler_output = ctx.get(SchedulerOutput)
+        self.connector.begin_step(scheduler_output.step_id)
+        metadata = scheduler_output.kv_connector_metadata
+        if metadata is None:
             return MetadataBound(False)
         self.connector.bind_connector_metadata(metadata)
         return MetadataBound(True)

@@ -1,7 +1,7 @@
 """The default step graphs, built from the built-in stages.
 
-engine:  schedule → execute → fan_in → update
-worker:  bind → load → forward → {sample | save} → finished ⟂ clear
+engine:  schedule → execute → fan_in → update ⟂ fail_step
+worker:  bind → load → forward → {sample | save} → finished ⟂ clear → drop_finished
 """
 
 from __future__ import annotations
@@ -12,13 +12,16 @@ from connectors.base import KVConnectorWorker
 from pipeline.artifacts import SchedulerOutput
 from pipeline.kernel.graph import StepGraph
 from stages.bind import BindStage
+from stages.drop_finished import DropFinishedStage
+from stages.execute import ExecuteStage, Executor
+from stages.fail_step import FailStepStage
 from stages.fan_in import FanInAggregator, FanInStage
 from stages.finalize import ClearConnectorStage
 from stages.finished import FinishedStage
 from stages.forward.stage import ForwardStage, SampleStage
 from stages.load import LoadStage
 from stages.save import SaveStage
-from stages.schedule_stage import ExecuteStage, Executor, ScheduleStage, UpdateStage
+from stages.schedule_stage import ScheduleStage, UpdateStage
 
 if TYPE_CHECKING:
     from stages.forward.runner import ModelRunner
@@ -34,7 +37,12 @@ def default_worker_graph(
     connector: KVConnectorWorker | None = None,
     finalizer_timeout_s: float = 30.0,
 ) -> StepGraph:
-    """The worker graph of one rank; rank 0 is the driver that samples."""
+    """The worker graph of one rank; rank 0 is the driver that samples.
+
+    Finalizers: ``clear`` (mandatory: the connector's step metadata), then
+    ``drop_finished`` (the runner forgets the requests the scheduler finished when the
+    step ended before its forward pass did).
+    """
     return StepGraph(
         [
             BindStage(connector),
@@ -43,6 +51,7 @@ def default_worker_graph(
             SampleStage(runner, driver=rank == 0),
             SaveStage(connector),
             FinishedStage(rank, connector),
+            DropFinishedStage(runner),
             ClearConnectorStage(
                 (connector,) if connector is not None else (), timeout_s=finalizer_timeout_s
             ),
@@ -59,17 +68,20 @@ def default_engine_graph(
     aggregator: FanInAggregator,
     fan_in_timeout_s: float = 300.0,
 ) -> StepGraph:
-    """The engine graph: one step of scheduling, execution on all ranks, and update.
+    """The engine graph: schedule, run the ranks, merge, update; a failed step fails
+    its requests in the ``fail_step`` finalizer.
 
     ``aggregator`` carries the transfer lease (``FanInAggregator(lease_s=...)``) and is
-    shared with the engine, which forgets aborted requests in it.
+    shared with the engine, which forgets aborted requests in it. ``fan_in_timeout_s``
+    is the deadline under which ``execute`` awaits every rank's output.
     """
     return StepGraph(
         [
             ScheduleStage(scheduler),
-            ExecuteStage(executor),
-            FanInStage(aggregator, timeout_s=fan_in_timeout_s),
+            ExecuteStage(executor, timeout_s=fan_in_timeout_s),
+            FanInStage(aggregator),
             UpdateStage(scheduler),
+            FailStepStage(scheduler, aggregator, executor),
         ],
         name="engine",
     )

@@ -1,29 +1,22 @@
-"""``schedule``, ``execute`` and ``update``: the engine-side stages around the workers."""
+"""``schedule`` and ``update``: the engine-side stages on either side of the workers.
+
+``execute`` (running the ranks) is :mod:`stages.execute`; ``fan_in`` (merging their
+outputs) is :mod:`stages.fan_in`.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 
-from pipeline.artifacts import (
-    EngineStepOutput,
-    FanInOutput,
-    PendingWorkerOutputs,
-    SchedulerOutput,
-)
+from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
 from pipeline.kernel.context import StepContext
 
 if TYPE_CHECKING:
     from stages.schedule.scheduler import Scheduler
 
-__all__ = ["ExecuteStage", "Executor", "ScheduleStage", "UpdateStage"]
-
-
-class Executor(Protocol):
-    """What ``execute`` needs of an executor: start one worker step on every rank."""
-
-    def submit(self, scheduler_output: SchedulerOutput) -> PendingWorkerOutputs: ...
+__all__ = ["ScheduleStage", "UpdateStage"]
 
 
 @attrs.frozen
@@ -38,20 +31,6 @@ class ScheduleStage:
 
     async def run(self, ctx: StepContext) -> SchedulerOutput:
         return self.scheduler.schedule()
-
-
-@attrs.frozen
-class ExecuteStage:
-    """Hands the step to the executor, which runs the worker graph on every rank."""
-
-    name: ClassVar[str] = "execute"
-    requires: ClassVar[tuple[type, ...]] = (SchedulerOutput,)
-    provides: ClassVar[type] = PendingWorkerOutputs
-
-    executor: Executor
-
-    async def run(self, ctx: StepContext) -> PendingWorkerOutputs:
-        return self.executor.submit(ctx.get(SchedulerOutput))
 
 
 @attrs.frozen

@@ -11,7 +11,6 @@ import math
 from collections.abc import Iterable, Sequence
 
 import anyio
-import attrs
 
 from connectors.base import KVConnectorRole, KVConnectorScheduler
 from connectors.registry import create_connector, get_connector
@@ -24,7 +23,6 @@ from pipeline.executors.wire_checks import check_sendable
 from pipeline.executors.worker import Worker
 from pipeline.executors.worker_factory import GraphArg, apply_graph, connector_context
 from pipeline.kernel.context import StepContext
-from pipeline.kernel.failure import describe_failure
 from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput
 from pipeline.steplog import StepLog, bind_step
@@ -206,10 +204,17 @@ class EngineCore:
     # --------------------------------------------------------------------- step
 
     async def step(self) -> EngineStepOutput:
-        """Run one engine step. A failing step fails its own requests, not the engine.
+        """Run one engine step: ``schedule → execute → fan_in → update ⟂ fail_step``.
 
-        Raises only when the scheduler itself failed (no SchedulerOutput was produced),
-        which leaves the engine in an unknown state.
+        A failing step fails its own requests, not the engine: the graph's ``fail_step``
+        finalizer (:class:`~stages.fail_step.FailStepStage`) fails them and leaves their
+        outputs as the step's result, which this returns.
+
+        Raises:
+            EngineDeadError: A worker rank is gone for good.
+            Exception: The step's own error when the scheduler itself failed (no
+                SchedulerOutput was produced, which leaves the engine in an unknown
+                state), or when no finalizer failed the step's requests.
         """
         self._raise_if_dead()
         ctx = StepContext(self.scheduler.next_step_id, None)
@@ -220,35 +225,20 @@ class EngineCore:
                 except anyio.get_cancelled_exc_class() as cancel:
                     if anyio.current_effective_deadline() == -math.inf:
                         raise  # a cancel scope around the engine asked: propagate
-                    _uncancel()
+                    _uncancel()  # fail_step failed the step's requests
                     raise StepCancelledError(ctx.step_id) from cancel
-                result = ctx.get(EngineStepOutput)
             except Exception as exc:
-                scheduler_output = ctx.maybe(SchedulerOutput)
-                if scheduler_output is None:
+                if ctx.maybe(SchedulerOutput) is None:
                     raise
                 self._raise_if_dead()
-                failure = describe_failure(scheduler_output.step_id, exc, ctx.report)
-                req_ids = [r.req_id for r in scheduler_output.requests]
-                self.aggregator.forget(req_ids)
-                failed = self.scheduler.fail_requests(req_ids, str(failure))
-                _log.error(
-                    "step_failed",
-                    step_id=scheduler_output.step_id,
-                    failed_stages=failure.failed_stages,
-                    ranks=failure.ranks,
-                    error=failure.message,
-                    requests=req_ids,
-                )
-                result = EngineStepOutput(
-                    step_id=scheduler_output.step_id,
-                    outputs=tuple(attrs.evolve(out, failure=failure) for out in failed),
-                    num_requests=len(req_ids),
-                )
+                if ctx.maybe(EngineStepOutput) is None:
+                    raise
+                if ctx.error is None:  # the body succeeded; only finalizers failed
+                    _log.error("step_finalizers_failed", step_id=ctx.step_id, error=repr(exc))
             finally:
                 if ctx.report is not None:
                     self._log_step(ctx)
-        return result
+        return ctx.get(EngineStepOutput)
 
     def _raise_if_dead(self) -> None:
         # The executor's recorded failure only: has_work() polls the workers (the loop

@@ -23,17 +23,13 @@ from pipeline.executors.protocol import Executor, RemoteExecutor
 from pipeline.executors.ray import RayExecutor
 from pipeline.executors.remote import connector_import_paths
 from pipeline.executors.worker import Worker
-from pipeline.executors.worker_factory import (
-    GraphArg,
-    build_worker,
-    graph_import_path,
-    runner_options,
-)
+from pipeline.executors.worker_factory import GraphArg, build_worker, graph_import_path
 from pipeline.steplog import StepLog
 from stages.forward.builtin import resolve_model_path
 from stages.forward.config import ModelConfig, load_model_config
 from stages.forward.parallel import check_tp_divisible
 from stages.forward.runner import ModelRunner
+from stages.forward.spec import RunnerSpec
 
 __all__ = [
     "BACKENDS",
@@ -71,11 +67,10 @@ class Backend(Protocol):
 
 
 def _load_runners(config: EngineConfig) -> list[ModelRunner]:
-    options = runner_options(config)
-    options["device"] = config.device
-    first = ModelRunner.load(config.model, rank=0, **options)
+    spec = RunnerSpec.from_config(config)
+    first = ModelRunner.load(spec, rank=0)
     rest = [
-        ModelRunner.load(config.model, rank=rank, shared_model=first, **options)
+        ModelRunner.load(spec, rank=rank, shared_model=first)
         for rank in range(1, config.world_size)
     ]
     return [first, *rest]

@@ -8,20 +8,21 @@ from functools import partial
 
 import anyio
 
-from pipeline.artifacts import PendingWorkerOutputs, SchedulerOutput, WorkerOutput
+from pipeline.artifacts import SchedulerOutput, WorkerOutput
 from pipeline.errors import WorkerDiedError, WorkerFailedError
 from pipeline.executors.worker import Worker
+from stages.execute import SubmittedStep
 
 __all__ = ["InProcessExecutor"]
 
 
 async def _rank_step(worker: Worker, scheduler_output: SchedulerOutput) -> WorkerOutput:
-    """One rank's step, as fan-in's task for that rank runs it.
+    """One rank's step, as the ``execute`` stage's task for that rank runs it.
 
-    A cancellation from an enclosing cancel scope (fan-in's deadline or task group, the
+    A cancellation from an enclosing cancel scope (execute's deadline or task group, the
     engine closing) propagates. A native ``task.cancel()`` of the rank's task that no
     scope asked for (no enclosing scope is cancelled) would otherwise end the task
-    quietly: anyio's task group swallows it and fan-in would merge without this rank.
+    quietly: anyio's task group swallows it and execute would return without this rank.
     It becomes a :class:`WorkerFailedError` naming the rank instead.
     """
     try:
@@ -37,9 +38,9 @@ async def _rank_step(worker: Worker, scheduler_output: SchedulerOutput) -> Worke
 
 
 class InProcessExecutor:
-    """N virtual ranks in this process, each an anyio task started by fan-in.
+    """N virtual ranks in this process, each an anyio task started by ``execute``.
 
-    ``submit`` returns lazy waiters: fan-in awaits them inside its own task group, so a
+    ``submit`` returns lazy waiters: execute awaits them inside its own task group, so a
     step that fails or times out cancels the other ranks, whose finalizers still run.
     Forward passes run on worker threads, so the event loop stays responsive.
     """
@@ -54,11 +55,11 @@ class InProcessExecutor:
     def world_size(self) -> int:
         return len(self.workers)
 
-    def submit(self, scheduler_output: SchedulerOutput) -> PendingWorkerOutputs:
+    def submit(self, scheduler_output: SchedulerOutput) -> SubmittedStep:
         waiters: list[Callable[[], Awaitable[WorkerOutput]]] = [
             partial(_rank_step, worker, scheduler_output) for worker in self.workers
         ]
-        return PendingWorkerOutputs(step_id=scheduler_output.step_id, waiters=tuple(waiters))
+        return SubmittedStep(tuple(waiters))
 
     def check_alive(self) -> WorkerDiedError | None:
         return None

@@ -29,7 +29,7 @@ import anyio
 import attrs
 
 from connectors.base import ModelFingerprint
-from pipeline.artifacts import PendingWorkerOutputs, SchedulerOutput, WorkerOutput
+from pipeline.artifacts import SchedulerOutput, WorkerOutput
 from pipeline.config import EngineConfig
 from pipeline.errors import WorkerDiedError, WorkerFailedError
 from pipeline.executors import wire
@@ -45,6 +45,7 @@ from pipeline.executors.wire_checks import encode_step_isolated
 from pipeline.executors.workdirs import release_shared_file
 from pipeline.logs import get_logger
 from pipeline.steplog import StepLog
+from stages.execute import SubmittedStep
 
 __all__ = ["MultiprocExecutor"]
 
@@ -207,7 +208,7 @@ class MultiprocExecutor:
 
     # -------------------------------------------------------------------- step
 
-    def submit(self, scheduler_output: SchedulerOutput) -> PendingWorkerOutputs:
+    def submit(self, scheduler_output: SchedulerOutput) -> SubmittedStep:
         """Encode the step once; each rank's waiter sends it and awaits the reply."""
         encoded = encode_step_isolated(scheduler_output)  # a bad request fails alone
         frame = encoded.frame
@@ -215,9 +216,7 @@ class MultiprocExecutor:
         waiters: list[Callable[[], Awaitable[WorkerOutput]]] = [
             partial(self._rank_step, rank, frame, step_id) for rank in self._ranks
         ]
-        return PendingWorkerOutputs(
-            step_id=step_id, waiters=tuple(waiters), request_errors=encoded.request_errors
-        )
+        return SubmittedStep(tuple(waiters), encoded.request_errors)
 
     async def _rank_step(self, rank: _Rank, frame: bytes, step_id: int) -> WorkerOutput:
         """One rank's step: send, then read replies until this step's.

@@ -1,5 +1,6 @@
-"""The executor protocol: run one worker step on every rank and hand fan-in one
-awaitable per rank.
+"""The executor protocols: :class:`Executor` (the one the ``execute`` stage consumes,
+defined beside it in :mod:`stages.execute`) and :class:`RemoteExecutor`, which extends it
+for ranks that load the model themselves.
 
 Three backends implement :class:`Executor`:
 :class:`~pipeline.executors.inprocess.InProcessExecutor` (virtual ranks in this process,
@@ -14,35 +15,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from connectors.base import ModelFingerprint
-from pipeline.artifacts import PendingWorkerOutputs, SchedulerOutput
-from pipeline.errors import WorkerDiedError
+from stages.execute import Executor, SubmittedStep
 
-__all__ = ["Executor", "RemoteExecutor"]
-
-
-class Executor(Protocol):
-    """What the engine needs of an executor.
-
-    ``submit`` starts one step on every rank and returns one zero-argument awaitable per
-    rank, which fan-in awaits (and may cancel) under its deadline. ``failure`` is set
-    (and ``check_alive`` returns it) once a rank is gone for good: the engine is then
-    dead. ``bound_metadata`` counts ranks whose connector metadata is still bound (the
-    leak check). ``shutdown`` releases every rank; idempotent.
-    """
-
-    name: str
-    failure: WorkerDiedError | None
-
-    @property
-    def world_size(self) -> int: ...
-
-    def submit(self, scheduler_output: SchedulerOutput) -> PendingWorkerOutputs: ...
-
-    def check_alive(self) -> WorkerDiedError | None: ...
-
-    def bound_metadata(self) -> int: ...
-
-    async def shutdown(self) -> None: ...
+__all__ = ["Executor", "RemoteExecutor", "SubmittedStep"]
 
 
 class RemoteExecutor(Executor, Protocol):

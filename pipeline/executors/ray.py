@@ -30,7 +30,7 @@ import anyio.to_thread
 import attrs
 
 from connectors.base import ModelFingerprint
-from pipeline.artifacts import PendingWorkerOutputs, SchedulerOutput, WorkerOutput
+from pipeline.artifacts import SchedulerOutput, WorkerOutput
 from pipeline.config import EngineConfig
 from pipeline.errors import InvalidConfigError, WorkerDiedError, WorkerFailedError
 from pipeline.executors import wire
@@ -39,6 +39,7 @@ from pipeline.executors.remote import check_ready, init_message, settle_reply
 from pipeline.executors.wire_checks import encode_step_isolated
 from pipeline.logs import get_logger
 from pipeline.steplog import StepLog
+from stages.execute import SubmittedStep
 
 __all__ = ["RayExecutor"]
 
@@ -173,7 +174,7 @@ class RayExecutor:
 
     # -------------------------------------------------------------------- step
 
-    def submit(self, scheduler_output: SchedulerOutput) -> PendingWorkerOutputs:
+    def submit(self, scheduler_output: SchedulerOutput) -> SubmittedStep:
         """Encode the step once; each waiter calls its actor and awaits the object ref."""
         encoded = encode_step_isolated(scheduler_output)  # a bad request fails alone
         data = encoded.frame
@@ -181,9 +182,7 @@ class RayExecutor:
         waiters: list[Callable[[], Awaitable[WorkerOutput]]] = [
             partial(self._rank_step, actor, data, step_id) for actor in self._actors
         ]
-        return PendingWorkerOutputs(
-            step_id=step_id, waiters=tuple(waiters), request_errors=encoded.request_errors
-        )
+        return SubmittedStep(tuple(waiters), encoded.request_errors)
 
     async def _rank_step(self, actor: _Actor, data: bytes, step_id: int) -> WorkerOutput:
         ray = _import_ray()

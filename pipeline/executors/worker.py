@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from connectors.lifecycle import GuardedWorker
-from pipeline.artifacts import ModelOutput, SchedulerOutput, WorkerOutput
+from pipeline.artifacts import SchedulerOutput, WorkerOutput
 from pipeline.errors import WorkerFailedError
 from pipeline.kernel.context import StepContext
 from pipeline.kernel.graph import StepGraph
@@ -22,7 +21,10 @@ class Worker:
 
     Args:
         rank: This worker's rank.
-        graph: The worker graph (``bind → load → forward → sample → save → finished ⟂ clear``).
+        graph: The worker graph (``bind → load → forward → {sample | save} → finished ⟂
+            clear → drop_finished``): ``bind`` opens the connector's step, the
+            finalizers clear it and drop the finished requests of a step that ended
+            before its forward pass.
         connector: The rank's worker-side connector (wrapped in the lifecycle guard), or
             ``None``.
         runner: The rank's model runner (owned: closed by :meth:`close`).
@@ -55,8 +57,6 @@ class Worker:
         """
         step_id = scheduler_output.step_id
         ctx = StepContext(step_id, self.rank, inputs=(scheduler_output,))
-        if isinstance(self.connector, GuardedWorker):
-            self.connector.begin_step(step_id)
         with bind_step(step_id, self.rank):
             try:
                 await self.graph.run(ctx)
@@ -64,8 +64,6 @@ class Worker:
                 raise WorkerFailedError(self.rank, step_id, repr(exc), report=ctx.report) from exc
             finally:
                 self.steps += 1
-                if ModelOutput not in ctx:
-                    self._forget(scheduler_output.finished_req_ids)
                 if ctx.report is not None:
                     self.step_log.record_step(
                         ctx.report,
@@ -74,14 +72,6 @@ class Worker:
                         num_tokens=scheduler_output.total_num_scheduled_tokens,
                     )
         return ctx.get(WorkerOutput)
-
-    def _forget(self, req_ids: frozenset[str]) -> None:
-        # The forward pass drops the requests the scheduler finished; the scheduler sends
-        # their ids once. A step that ended before its forward pass (a failure, a
-        # cancellation) must drop them here, or this rank keeps their state forever.
-        drop = getattr(self.runner, "drop_requests", None)
-        if req_ids and drop is not None:
-            drop(req_ids)
 
     async def aclose(self) -> None:
         """Close the connector and release the runner; idempotent."""

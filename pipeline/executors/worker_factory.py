@@ -9,7 +9,7 @@ the default worker graph, and the user's change to it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.lifecycle import make_worker
@@ -31,7 +31,6 @@ __all__ = [
     "build_worker",
     "connector_context",
     "graph_import_path",
-    "runner_options",
 ]
 
 GraphArg = StepGraph | Callable[[StepGraph], StepGraph] | str | None
@@ -81,21 +80,6 @@ def graph_import_path(custom: GraphArg) -> str | None:
             "graph to a new one (or its 'module:function' path), not a built graph",
         )
     return import_path(custom, what="worker_graph")
-
-
-def runner_options(config: EngineConfig) -> dict[str, Any]:
-    """``ModelRunner.load``'s keyword arguments that come from ``config`` alone (every
-    rank's; the rank, device and tensor-parallel group are the caller's)."""
-    return dict(
-        dtype=config.dtype,
-        block_size=config.block_size,
-        num_blocks=config.num_gpu_blocks,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=config.max_model_len,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        seed=config.seed,
-        world_size=config.world_size,
-    )
 
 
 def connector_context(

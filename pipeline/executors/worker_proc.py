@@ -24,7 +24,7 @@ from pipeline.config import EngineConfig
 from pipeline.executors import wire
 from pipeline.executors.channel import Channel, PeerGone
 from pipeline.executors.worker import Worker
-from pipeline.executors.worker_factory import build_worker, runner_options
+from pipeline.executors.worker_factory import build_worker
 from pipeline.executors.worker_steps import (
     MetadataTypes,
     Records,
@@ -101,6 +101,7 @@ def start(init: wire.Init, records: Records) -> Worker:
 
     from stages.forward.parallel import init_process_group
     from stages.forward.runner import ModelRunner
+    from stages.forward.spec import RunnerSpec
 
     config = EngineConfig(**init.config)
     if init.device == "cpu":
@@ -117,9 +118,8 @@ def start(init: wire.Init, records: Records) -> Worker:
     tp = _shared_memory_reduce(init, config, tp)
     if config.connector is not None and init.connector_classes is not None:
         _register_connector(config.connector, init.connector_classes)
-    runner = ModelRunner.load(
-        config.model, device=init.device, rank=init.rank, tp=tp, **runner_options(config)
-    )
+    spec = RunnerSpec.from_config(config, device=init.device)
+    runner = ModelRunner.load(spec, rank=init.rank, tp=tp)
     step_log = StepLog(None)
     step_log.listeners.append(records)
     try:

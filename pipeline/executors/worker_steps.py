@@ -20,7 +20,7 @@ kills the worker:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import anyio
@@ -30,7 +30,9 @@ from pipeline.errors import TransportError, WorkerFailedError, short_repr
 from pipeline.executors import wire
 from pipeline.executors.wire_checks import metadata_types
 from pipeline.executors.worker import Worker
+from pipeline.kernel.graph import StepGraph
 from pipeline.kernel.report import StepReport
+from pipeline.kernel.stage import is_collective
 from pipeline.logs import get_logger
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
     "MetadataTypes",
     "Records",
     "answer",
+    "breaks_group",
+    "collective_stages",
     "connector_metadata_types",
     "encode_reply",
     "run_step",
@@ -152,11 +156,12 @@ async def run_step(
 ) -> wire.StepDone | wire.StepFailed:
     """Run one step under the fan-in deadline; every failure becomes a ``StepFailed``.
 
-    On a sharded rank (tensor parallelism), a step whose forward stage did not complete
-    is ``fatal``: the other ranks may be waiting in, or past, a collective this rank
-    never reached, and the next step's collectives would pair with the wrong tensors.
-    A failure after the forward pass (sample, save, finished, a connector's save) leaves
-    the group in step and fails only the step. Metadata that is refused
+    On a sharded rank (tensor parallelism), a step in which a stage that declares
+    collectives (``collective = True``, e.g. ``forward``) did not complete is ``fatal``
+    (:func:`breaks_group`): the other ranks may be waiting in, or past, a collective
+    this rank never reached, and the next step's collectives would pair with the wrong
+    tensors. A failure once every collective stage completed (sample, save, finished, a
+    connector's save) leaves the group in step and fails only the step. Metadata that is refused
     (``metadata_types``, the allow-list, or its ``from_bytes``) fails the step, not
     fatally: every rank got the same bytes and refuses them before any collective.
     """
@@ -183,7 +188,7 @@ async def run_step(
         report = next(
             (r.report for r in reversed(records.items) if r.report.step_id == step_id), None
         )
-    fatal = _sharded(worker) and not _forward_completed(report)
+    fatal = _sharded(worker) and breaks_group(report, collective_stages(worker.graph))
     if fatal:
         _log.error("tensor_parallel_step_broken", step_id=step_id, reason=reason)
     return wire.StepFailed(
@@ -196,10 +201,21 @@ def _sharded(worker: Worker) -> bool:
     return bool(tp is not None and tp.sharded)
 
 
-def _forward_completed(report: StepReport | None) -> bool:
+def collective_stages(graph: StepGraph) -> frozenset[str]:
+    """The names of ``graph``'s stages that declare collectives (``collective = True``)."""
+    return frozenset(s.name for s in graph.stages if is_collective(s))
+
+
+def breaks_group(report: StepReport | None, collective: Iterable[str]) -> bool:
+    """Whether a failed step leaves a tensor-parallel rank out of step with its group.
+
+    ``True`` unless every stage named in ``collective`` completed (``ok``) in
+    ``report``; also ``True`` without a report (the step's state is unknown).
+    """
     if report is None:
-        return False
-    return any(r.name == "forward" and r.outcome == "ok" for r in report.stages)
+        return True
+    completed = {r.name for r in report.stages if r.outcome == "ok"}
+    return not completed.issuperset(collective)
 
 
 def _bound(worker: Worker) -> bool:

@@ -11,7 +11,15 @@ from pipeline.kernel.failure import describe_failure
 from pipeline.kernel.graph import StepGraph
 from pipeline.kernel.report import StageOutcome, StageRecord, StepOutcome, StepReport
 from pipeline.kernel.runner import run_step
-from pipeline.kernel.stage import Finalizer, FunctionStage, Stage, as_stage, is_finalizer, stage
+from pipeline.kernel.stage import (
+    Finalizer,
+    FunctionStage,
+    Stage,
+    as_stage,
+    is_collective,
+    is_finalizer,
+    stage,
+)
 
 __all__ = [
     "Finalizer",
@@ -25,6 +33,7 @@ __all__ = [
     "StepReport",
     "as_stage",
     "describe_failure",
+    "is_collective",
     "is_finalizer",
     "run_step",
     "stage",

@@ -42,7 +42,9 @@ class StepContext:
         scratch: Free space for the stages of this step (e.g. a stage leaving a note for
             a finalizer). Keys should be prefixed with the stage name.
         report: The :class:`~pipeline.kernel.report.StepReport` of the step, filled by the
-            runner when the step ends, also when the run raises.
+            runner when the step ends, also when the run raises. While the finalizers of
+            a step whose body failed run, it holds the body's report (no finalizer
+            records yet), so a finalizer can tell which stage failed.
     """
 
     __slots__ = ("_artifacts", "cancelled", "error", "rank", "report", "scratch", "step_id")

@@ -159,7 +159,9 @@ async def run_step(plan: StepPlan, ctx: StepContext) -> StepReport:
 
     Called by :meth:`StepGraph.run`, on the event loop (asyncio or trio via anyio). The
     report is stored in ``ctx.report`` in every case; ``ctx.error``/``ctx.cancelled``
-    are set before the finalizers run. Cancellation-safe: cancelling the caller cancels
+    are set before the finalizers run, and when the body failed ``ctx.report`` then
+    already holds the body's report (its stage records, no finalizer's yet), so that a
+    finalizer can tell which stage failed. Cancellation-safe: cancelling the caller cancels
     the body, still runs every finalizer, and re-raises the cancellation.
     """
     n = len(plan.names)
@@ -180,6 +182,8 @@ async def run_step(plan: StepPlan, ctx: StepContext) -> StepReport:
         body_exc = exc
         ctx.error = exc
         ctx.cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+        # The finalizers may ask which stage failed (the engine's failure path does).
+        ctx.report = _report(plan, ctx, st, t0, start_ts, body_exc, {}, body_only=True)
 
     starts, ends, excs = st.starts, st.ends, st.excs
     cut: dict[int, float] = {}
@@ -222,6 +226,8 @@ def _report(
     start_ts: float,
     body_exc: BaseException | None,
     cut: dict[int, float],
+    *,
+    body_only: bool = False,
 ) -> StepReport:
     starts, ends, excs = st.starts, st.ends, st.excs
     n = len(plan.names)
@@ -252,7 +258,7 @@ def _report(
     records = []
     failed: tuple[int, str] | None = None
     failures: list[str] = []
-    for j in (*plan.order, *range(n, len(starts))):
+    for j in plan.order if body_only else (*plan.order, *range(n, len(starts))):
         is_fin = j >= n
         name = plan.finalizers[j - n].name if is_fin else plan.names[j]
         exc = excs[j]

@@ -28,7 +28,15 @@ import attrs
 from pipeline.errors import GraphError
 from pipeline.kernel.context import StepContext
 
-__all__ = ["Finalizer", "FunctionStage", "Stage", "as_stage", "is_finalizer", "stage"]
+__all__ = [
+    "Finalizer",
+    "FunctionStage",
+    "Stage",
+    "as_stage",
+    "is_collective",
+    "is_finalizer",
+    "stage",
+]
 
 DEFAULT_FINALIZER_TIMEOUT_S = 5.0
 """Default bound, in seconds, on a finalizer's awaited drain."""
@@ -44,6 +52,12 @@ class Stage(Protocol):
             the stage once all of them exist.
         provides: The artifact type ``run`` returns, stored in the context under that
             type; ``None``: ``run`` returns ``None`` (any other value is ignored).
+
+    Optional attribute (absent means ``False``; read with :func:`is_collective`):
+        collective: ``run`` takes part in collectives across the ranks of a
+            tensor-parallel group (an all-reduce in the forward pass). A worker whose step
+            failed before every collective stage completed is out of step with its group,
+            so the failure is fatal to that worker; any other failure fails the step only.
     """
 
     @property
@@ -126,6 +140,11 @@ class Finalizer(Protocol):
 def is_finalizer(obj: object) -> bool:
     """Whether ``obj`` is marked as a finalizer (``finalizer`` attribute is ``True``)."""
     return getattr(obj, "finalizer", False) is True
+
+
+def is_collective(obj: object) -> bool:
+    """Whether stage ``obj`` declares collectives (``collective`` attribute is ``True``)."""
+    return getattr(obj, "collective", False) is True
 
 
 @attrs.frozen

@@ -1,6 +1,7 @@
 """The forward pass: a Llama-family model over a paged KV cache, sampling, device sync.
 
-``ModelRunner`` is the entry point the forward and sample stages use; the other names
+``ModelRunner`` is the entry point the forward and sample stages use, built from a
+``RunnerSpec`` (derived once from ``EngineConfig``); the other names
 are its parts, exported for tests, benchmarks and custom stages. ``TensorParallel`` and
 ``init_process_group`` shard the model across worker processes (Megatron-style).
 """
@@ -38,6 +39,7 @@ from stages.forward.parallel import (
 )
 from stages.forward.runner import ModelRunner
 from stages.forward.sampling import Sampler, request_seed
+from stages.forward.spec import RunnerSpec
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -54,6 +56,7 @@ __all__ = [
     "ModelConfig",
     "ModelRunner",
     "RopeConfig",
+    "RunnerSpec",
     "Sampler",
     "TensorParallel",
     "allocate_kv_caches",

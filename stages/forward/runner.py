@@ -10,6 +10,7 @@ so the event loop stays responsive. One call at a time (not thread-safe).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -22,11 +23,17 @@ from stages.forward.compute_thread import ComputeThread
 from stages.forward.config import ModelConfig
 from stages.forward.inputs import RequestStates
 from stages.forward.kv_cache import allocate_kv_caches, local_kv_heads
-from stages.forward.loader import LoadedModel
 from stages.forward.model import CausalLM
-from stages.forward.parallel import UNSHARDED, TensorParallel
-from stages.forward.runner_load import SharedWeights, load_parts, resolve_device, resolve_dtype
+from stages.forward.parallel import TensorParallel
+from stages.forward.runner_load import (
+    RunnerParts,
+    SharedWeights,
+    load_parts,
+    resolve_device,
+    resolve_dtype,
+)
 from stages.forward.sampling import Sampler
+from stages.forward.spec import RunnerSpec
 
 __all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
 
@@ -49,110 +56,90 @@ class _ConnectorHooks:
 class ModelRunner:
     """Runs the model over one step's batch and samples from its logits.
 
-    Build it with :meth:`load`. Attributes ``model_config``, ``device``, ``dtype``,
-    ``block_size``, ``num_blocks``, ``kv_caches``, ``fingerprint`` and ``tp`` (how the
-    model is sharded: ``TensorParallel()`` for a whole model) are read-only.
+    Build it with :meth:`load`. Attributes ``spec``, ``model_config``, ``device``,
+    ``dtype``, ``block_size``, ``num_blocks``, ``kv_caches``, ``fingerprint`` and ``tp``
+    (how the model is sharded: ``TensorParallel()`` for a whole model) are read-only.
     """
 
-    def __init__(
-        self,
-        *,
-        loaded: LoadedModel,
-        device: torch.device,
-        dtype: torch.dtype,
-        block_size: int,
-        num_blocks: int,
-        max_model_len: int,
-        seed: int,
-        rank: int,
-        world_size: int,
-        tp: TensorParallel = UNSHARDED,
-        compute: ComputeThread | None = None,
-    ) -> None:
-        self.compute = compute or ComputeThread(f"kvstep-compute-r{rank}")
+    def __init__(self, parts: RunnerParts, *, compute: ComputeThread | None = None) -> None:
+        spec, loaded, tp = parts.spec, parts.loaded, parts.tp
+        self.compute = compute or ComputeThread(f"kvstep-compute-r{parts.rank}")
+        self.spec = spec
         self._loaded = loaded
         self.model: CausalLM = loaded.model
         self.model_config: ModelConfig = loaded.config
-        self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.max_model_len = max_model_len
-        self.rank = rank
-        self.world_size = world_size
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.block_size = spec.block_size
+        self.num_blocks = parts.num_blocks
+        self.max_model_len = spec.max_model_len
+        self.rank = parts.rank
+        self.world_size = spec.world_size
         self.tp = tp
         self.kv_caches: list[torch.Tensor] = allocate_kv_caches(
             loaded.config,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            dtype=dtype,
-            device=device,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=self.device,
             tp_size=tp.size,
         )
         self.fingerprint = ModelFingerprint(
             architecture=loaded.config.architecture,
             weights_id=loaded.weights_id,
-            dtype=str(dtype).removeprefix("torch."),
-            block_size=block_size,
-            tp_rank=rank,
-            tp_size=world_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.block_size,
+            tp_rank=self.rank,
+            tp_size=self.world_size,
             kv_heads=local_kv_heads(loaded.config, tp.size),
         )
-        self.device_sync: DeviceSync = make_device_sync(device)
+        self.device_sync: DeviceSync = make_device_sync(self.device)
         self._states = RequestStates(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_model_len=max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
             vocab_size=loaded.config.vocab_size,
         )
-        self._sampler = Sampler(seed=seed, device=device)
+        self._sampler = Sampler(seed=spec.seed, device=self.device)
         self._closed = False
 
     @classmethod
     def load(
         cls,
-        model: str,
+        spec: RunnerSpec | str,
         *,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_model_len: int = 4096,
-        kv_cache_memory_bytes: int = 2 << 30,
-        seed: int = 0,
         rank: int = 0,
-        world_size: int = 1,
         shared_model: ModelRunner | None = None,
         tp: TensorParallel | None = None,
+        **options: Any,
     ) -> ModelRunner:
-        """Load ``model`` (a local HF directory or ``"builtin:tiny"``) and allocate the cache.
+        """Load ``spec.model`` as rank ``rank`` and allocate its KV cache.
+
+        ``spec`` is what the engine passes (one :class:`RunnerSpec` for every rank,
+        built once from ``EngineConfig``), or a model path (a local HF directory or
+        ``"builtin:tiny"``) with the spec's other fields as ``options`` and its
+        defaults for the rest: ``ModelRunner.load(path, device="cpu", num_blocks=8)``.
 
         Arguments, errors and blocking are those of
-        :func:`~stages.forward.runner_load.load_parts`; the loading and the cache
-        allocation run on the new runner's compute thread, which then runs every forward
-        pass and sample.
+        :func:`~stages.forward.runner_load.load_parts` (``shared_model`` is a runner
+        here); the loading and the cache allocation run on the new runner's compute
+        thread, which then runs every forward pass and sample.
+
+        Raises:
+            InvalidConfigError: A bad option (see :class:`RunnerSpec`) or argument.
+            TypeError: An option :class:`RunnerSpec` does not have, or options next
+                to a built spec.
         """
+        if isinstance(spec, str):
+            spec = RunnerSpec(model=spec, **options)
+        elif options:
+            raise TypeError(f"options {sorted(options)} belong in the RunnerSpec")
         shared = None if shared_model is None else shared_model._shared_weights()
         compute = ComputeThread(f"kvstep-compute-r{rank}")
 
         def build() -> ModelRunner:
-            parts = load_parts(
-                model,
-                dtype=dtype,
-                device=device,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                seed=seed,
-                rank=rank,
-                world_size=world_size,
-                shared_model=shared,
-                tp=tp,
-            )
-            return cls(**attrs.asdict(parts, recurse=False), compute=compute)
+            parts = load_parts(spec, rank=rank, shared_model=shared, tp=tp)
+            return cls(parts, compute=compute)
 
         try:
             return compute.call(build)

@@ -1,7 +1,8 @@
 """What a :class:`~stages.forward.runner.ModelRunner` is built from: checks, then loading.
 
-:func:`load_parts` is the loading half of ``ModelRunner.load``: it resolves the device
-and dtype, checks the sizes, ranks and tensor-parallel group, reuses a compatible
+:func:`load_parts` is the loading half of ``ModelRunner.load``: it resolves the
+:class:`~stages.forward.spec.RunnerSpec`'s device and dtype (the spec checked its sizes),
+checks the rank and tensor-parallel group, reuses a compatible
 :class:`SharedWeights` or reads the checkpoint, sizes the KV cache and returns the
 :class:`RunnerParts` the runner is constructed from. Every bad argument is an
 :class:`~pipeline.errors.InvalidConfigError` raised before any weight is read. This
@@ -15,7 +16,6 @@ from pathlib import Path
 import attrs
 import torch
 
-from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError
 from pipeline.logs import get_logger
 from stages.forward.builtin import resolve_model_path
@@ -23,6 +23,7 @@ from stages.forward.config import load_model_config
 from stages.forward.kv_cache import default_num_blocks, kv_cache_block_bytes
 from stages.forward.loader import LoadedModel, load_model
 from stages.forward.parallel import UNSHARDED, TensorParallel, check_tp_divisible
+from stages.forward.spec import RunnerSpec
 
 __all__ = ["RunnerParts", "SharedWeights", "load_parts", "resolve_device", "resolve_dtype"]
 
@@ -84,21 +85,24 @@ class SharedWeights:
 
 @attrs.frozen(kw_only=True)
 class RunnerParts:
-    """Everything ``ModelRunner(...)`` is constructed from, checked and loaded.
+    """Everything ``ModelRunner(parts)`` is constructed from, checked and loaded.
 
-    The fields are the runner's keyword arguments (``attrs.asdict(parts,
-    recurse=False)``), less its compute thread.
+    Attributes:
+        spec: What every rank is built from.
+        loaded: The model (this rank's shard of it, or another rank's shared weights).
+        device: ``spec.device`` resolved.
+        dtype: ``spec.dtype`` resolved.
+        num_blocks: KV blocks to allocate (``spec.num_blocks`` or the default size).
+        rank: This worker's rank.
+        tp: How the model is sharded (``UNSHARDED`` for a whole model).
     """
 
+    spec: RunnerSpec
     loaded: LoadedModel
     device: torch.device
     dtype: torch.dtype
-    block_size: int
     num_blocks: int
-    max_model_len: int
-    seed: int
     rank: int
-    world_size: int
     tp: TensorParallel
 
 
@@ -148,45 +152,26 @@ def _shared(
 
 
 def load_parts(
-    model: str,
+    spec: RunnerSpec,
     *,
-    dtype: str = "auto",
-    device: str = "auto",
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    max_num_seqs: int = 64,
-    max_model_len: int = 4096,
-    kv_cache_memory_bytes: int = 2 << 30,
-    seed: int = 0,
     rank: int = 0,
-    world_size: int = 1,
     shared_model: SharedWeights | None = None,
     tp: TensorParallel | None = None,
 ) -> RunnerParts:
-    """Load ``model`` (a local HF directory or ``"builtin:tiny"``) and size the cache.
+    """Load ``spec.model`` (a local HF directory or ``"builtin:tiny"``) and size the cache.
 
     Args:
-        model: Checkpoint directory or builtin name.
-        dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
-        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
-        block_size: Tokens per KV block.
-        num_blocks: KV blocks; ``None`` sizes the cache for ``max_num_seqs``
-            sequences of ``max_model_len`` tokens, capped by ``kv_cache_memory_bytes``.
-        max_num_seqs: Sequences the default cache size provides for.
-        max_model_len: Longest context served (also the rotary table length).
-        kv_cache_memory_bytes: Cap of the default cache size.
-        seed: Seed of the sampler for requests without their own seed.
-        rank: This worker's rank (part of the fingerprint).
-        world_size: Number of ranks.
+        spec: The model, dtype, device and cache sizing (checked when it was built).
+        rank: This worker's rank (part of the fingerprint), in ``[0, spec.world_size)``.
         shared_model: Reuse that runner's weights (same model, dtype and device); this
             runner still gets its own KV cache, request state and sampler.
         tp: This process's tensor-parallel group (``tp.rank == rank``,
-            ``tp.size == world_size``): load only its shard and allocate its share
+            ``tp.size == spec.world_size``): load only its shard and allocate its share
             of the KV heads; every rank must then run each step together. ``None``
             loads the whole model (in-process ranks each hold every head).
 
     Raises:
-        InvalidConfigError: A bad dtype, device, size, rank, incompatible
+        InvalidConfigError: A bad dtype, device or rank, an incompatible
             ``shared_model``, a ``tp`` that disagrees with ``rank``/``world_size``
             or is combined with ``shared_model``, or a ``world_size`` that does not
             divide the model's heads or MLP width.
@@ -194,21 +179,13 @@ def load_parts(
 
     Blocks on disk I/O and weight conversion; call it off the event loop.
     """
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    for name, value in (
-        ("block_size", block_size),
-        ("max_num_seqs", max_num_seqs),
-        ("max_model_len", max_model_len),
-        ("kv_cache_memory_bytes", kv_cache_memory_bytes),
-        ("world_size", world_size),
-    ):
-        check_int(name, value, InvalidConfigError, lo=1)
-    check_int("num_blocks", num_blocks, InvalidConfigError, lo=1, optional=True)
+    dev = resolve_device(spec.device)
+    torch_dtype = resolve_dtype(spec.dtype, dev)
+    world_size, max_model_len = spec.world_size, spec.max_model_len
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InvalidConfigError("rank", rank, f"must be in [0, world_size={world_size})")
     tp = _check_tp(tp, rank, world_size, shared_model)
-    path = resolve_model_path(model)
+    path = resolve_model_path(spec.model)
     if shared_model is not None:
         loaded = _shared(shared_model, path, dev, torch_dtype, max_model_len)
     else:
@@ -224,37 +201,35 @@ def load_parts(
         loaded = load_model(
             path, dtype=torch_dtype, device=dev, max_len=max_model_len, config=config, tp=tp
         )
+    num_blocks = spec.num_blocks
     if num_blocks is None:
         num_blocks = default_num_blocks(
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=spec.max_num_seqs,
             max_model_len=max_model_len,
-            block_size=block_size,
+            block_size=spec.block_size,
             block_bytes=kv_cache_block_bytes(
-                loaded.config, block_size, torch_dtype, tp_size=tp.size
+                loaded.config, spec.block_size, torch_dtype, tp_size=tp.size
             ),
-            memory_cap_bytes=kv_cache_memory_bytes,
+            memory_cap_bytes=spec.kv_cache_memory_bytes,
         )
     log.info(
         "model_loaded",
-        model=model,
+        model=spec.model,
         path=str(path),
         device=str(dev),
         dtype=str(torch_dtype).removeprefix("torch."),
         num_blocks=num_blocks,
-        block_size=block_size,
+        block_size=spec.block_size,
         rank=rank,
         shared=shared_model is not None,
         tp_size=tp.size,
     )
     return RunnerParts(
+        spec=spec,
         loaded=loaded,
         device=dev,
         dtype=torch_dtype,
-        block_size=block_size,
         num_blocks=num_blocks,
-        max_model_len=max_model_len,
-        seed=seed,
         rank=rank,
-        world_size=world_size,
         tp=tp,
     )

@@ -21,12 +21,15 @@ class ForwardStage:
     """Runs the model on the runner's compute thread; per-layer connector hooks run there.
 
     The event loop stays free while the pass runs. When ``load`` bound nothing, the
-    connector is not handed to the pass, so its layer hooks are not called.
+    connector is not handed to the pass, so its layer hooks are not called. On a
+    tensor-parallel rank the pass all-reduces with the other ranks (``collective``): a
+    step that fails before it completes is fatal to the worker.
     """
 
     name: ClassVar[str] = "forward"
     requires: ClassVar[tuple[type, ...]] = (SchedulerOutput, LoadStarted)
     provides: ClassVar[type] = ModelOutput
+    collective: ClassVar[bool] = True
 
     runner: ModelRunner
     connector: KVConnectorWorker | None = None

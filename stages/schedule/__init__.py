@@ -13,6 +13,7 @@ from stages.schedule.hashing import (
 from stages.schedule.kv_manager import ComputedBlocks, KVCacheManager
 from stages.schedule.policy import SchedulingLimits
 from stages.schedule.scheduler import Scheduler
+from stages.schedule.spec import SchedulerSpec
 from stages.schedule.update import check_stop
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheManager",
     "Scheduler",
+    "SchedulerSpec",
     "SchedulingLimits",
     "check_stop",
     "hash_block_tokens",

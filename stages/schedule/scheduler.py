@@ -23,13 +23,14 @@ import attrs
 from connectors.base import KVConnectorScheduler
 from pipeline.artifacts import FanInOutput, SchedulerOutput
 from pipeline.checks import check_int
-from pipeline.config import LOAD_FAILURE_POLICIES, EngineConfig
+from pipeline.config import EngineConfig
 from pipeline.errors import InvalidConfigError, InvalidRequestError, StageError
 from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
 from stages.schedule.hashing import BlockHasher
 from stages.schedule.kv_manager import KVCacheManager
 from stages.schedule.policy import SchedulingLimits, plan_step
+from stages.schedule.spec import SchedulerSpec
 from stages.schedule.state import SchedulerState, make_output
 from stages.schedule.update import UpdatePolicy, apply_output
 
@@ -42,63 +43,38 @@ class Scheduler:
     """Schedules requests onto a fixed pool of KV blocks, one step at a time.
 
     Args:
+        spec: The sizes, seed and policies (see :class:`SchedulerSpec`).
         num_blocks: KV blocks in each worker's paged cache.
-        block_size: Tokens per block.
-        max_num_seqs: Most requests running at once.
-        max_num_batched_tokens: Tokens computed per step (longer prompts are chunked).
-        max_model_len: A request stops with ``"length"`` at this many tokens. It also
-            stops when it would need more blocks than the whole pool holds.
-        enable_prefix_caching: Reuse cached full blocks across requests.
-        hash_seed: Root seed of the chained block hashes.
         connector: The KV connector's scheduler half, or ``None``.
-        load_failure_policy: ``"recompute"`` (truncate to the last valid block and
-            recompute) or ``"fail"`` (fail the request) for blocks that fail to load.
 
     Raises:
-        InvalidConfigError: A size is not a positive integer, or the policy is unknown.
+        InvalidConfigError: ``num_blocks`` is not a positive integer.
     """
 
     def __init__(
         self,
+        spec: SchedulerSpec,
         *,
         num_blocks: int,
-        block_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        enable_prefix_caching: bool = True,
-        hash_seed: int = 0,
         connector: KVConnectorScheduler | None = None,
-        load_failure_policy: str = "recompute",
     ) -> None:
-        for name, value in (
-            ("num_blocks", num_blocks),
-            ("block_size", block_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-        ):
-            check_int(name, value, InvalidConfigError, lo=1)
-        if load_failure_policy not in LOAD_FAILURE_POLICIES:
-            raise InvalidConfigError(
-                "load_failure_policy",
-                load_failure_policy,
-                f"must be one of {', '.join(LOAD_FAILURE_POLICIES)}",
-            )
+        check_int("num_blocks", num_blocks, InvalidConfigError, lo=1)
+        block_size = spec.block_size
+        self.spec = spec
         self.block_size = block_size
-        self.max_model_len = max_model_len
+        self.max_model_len = spec.max_model_len
         self._state = SchedulerState(
-            kv=KVCacheManager(num_blocks, block_size, enable_prefix_caching),
-            hasher=BlockHasher(block_size, hash_seed),
+            kv=KVCacheManager(num_blocks, block_size, spec.enable_prefix_caching),
+            hasher=BlockHasher(block_size, spec.hash_seed),
             connector=connector,
         )
         self._limits = SchedulingLimits(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens
         )
         self._update_policy = UpdatePolicy(
-            max_model_len=min(max_model_len, num_blocks * block_size),
+            max_model_len=min(spec.max_model_len, num_blocks * block_size),
             block_size=block_size,
-            load_failure_policy=load_failure_policy,
+            load_failure_policy=spec.load_failure_policy,
         )
         self._next_step_id = 0
 
@@ -110,18 +86,9 @@ class Scheduler:
         num_blocks: int,
         connector: KVConnectorScheduler | None,
     ) -> Scheduler:
-        """A scheduler with the sizes, seed and policy of ``config``."""
-        return cls(
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching,
-            hash_seed=config.hash_seed,
-            connector=connector,
-            load_failure_policy=config.load_failure_policy,
-        )
+        """A scheduler with the sizes, seed and policy of ``config``
+        (:meth:`SchedulerSpec.from_config`)."""
+        return cls(SchedulerSpec.from_config(config), num_blocks=num_blocks, connector=connector)
 
     @property
     def num_blocks(self) -> int:

@@ -10,7 +10,7 @@ from pipeline.artifacts import FanInOutput, SchedulerOutput
 from pipeline.config import SamplingParams
 from pipeline.errors import InvalidConfigError
 from pipeline.request import Request
-from stages.schedule import Scheduler
+from stages.schedule import Scheduler, SchedulerSpec
 from stages.schedule.hashing import hash_request_tokens
 
 BS = 4
@@ -32,12 +32,14 @@ def make(
         fingerprint=fp or fingerprint(),
     )
     return Scheduler(
+        SchedulerSpec(
+            block_size=BS,
+            max_num_seqs=8,
+            max_num_batched_tokens=budget,
+            max_model_len=256,
+            enable_prefix_caching=False,
+        ),
         num_blocks=64,
-        block_size=BS,
-        max_num_seqs=8,
-        max_num_batched_tokens=budget,
-        max_model_len=256,
-        enable_prefix_caching=False,
         connector=OffloadScheduler(context),
     )
 

@@ -128,7 +128,7 @@ class TestLifecycle:
             assert failed.failure.ranks == (1,)
             if hang:
                 assert failed.failure.cancelled
-                assert "fan_in" in failed.failure.failed_stages
+                assert "execute" in failed.failure.failed_stages
             else:
                 assert "rank1:fault" in failed.failure.failed_stages
                 assert "injected fault" in failed.failure.message

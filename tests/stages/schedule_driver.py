@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from connectors.base import KVConnectorScheduler
 from pipeline.artifacts import FanInOutput, ScheduledRequest, SchedulerOutput
 from pipeline.config import SamplingParams
 from pipeline.request import Request, RequestOutput
-from stages.schedule import Scheduler
+from stages.schedule import Scheduler, SchedulerSpec
 
 
 class Step(NamedTuple):
@@ -21,16 +22,17 @@ def fake_token(item: ScheduledRequest) -> int:
     return 1000 + (sum(map(ord, item.req_id)) * 31 + item.num_output_tokens * 7) % 997
 
 
-def make_scheduler(**overrides: Any) -> Scheduler:
+def make_scheduler(
+    *, num_blocks: int = 64, connector: KVConnectorScheduler | None = None, **overrides: Any
+) -> Scheduler:
     options: dict[str, Any] = {
-        "num_blocks": 64,
         "block_size": 4,
         "max_num_seqs": 8,
         "max_num_batched_tokens": 32,
         "max_model_len": 256,
     }
     options.update(overrides)
-    return Scheduler(**options)
+    return Scheduler(SchedulerSpec(**options), num_blocks=num_blocks, connector=connector)
 
 
 def add(scheduler: Scheduler, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:

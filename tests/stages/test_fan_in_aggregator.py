@@ -8,10 +8,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import anyio
 import attrs
 import pytest
 import structlog
+from fake_executor import FakeRanks, hang
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -28,7 +28,6 @@ from connectors.base import (
 from pipeline.artifacts import (
     FanInOutput,
     KVStats,
-    PendingWorkerOutputs,
     SchedulerOutput,
     WorkerOutput,
 )
@@ -36,9 +35,12 @@ from pipeline.config import EngineConfig, SamplingParams
 from pipeline.errors import InvalidConfigError, StageError, WorkerFailedError
 from pipeline.kernel.context import StepContext
 from pipeline.kernel.failure import describe_failure
+from pipeline.kernel.graph import StepGraph
 from pipeline.kernel.report import StepReport
 from pipeline.request import Request, RequestStatus
 from stages.aggregator import FanInAggregator
+from stages.execute import ExecuteStage
+from stages.fail_step import FailStepStage
 from stages.fan_in import FanInStage
 
 W = 3
@@ -212,13 +214,21 @@ class TestFanInAggregator:
         assert EngineConfig(transfer_lease_s=math.inf).transfer_lease_s == math.inf
 
 
-# --------------------------------------------------------------------- the stage
+# ------------------------------------------------------ the execute and fan_in stages
 
 
-def pending(step: int, waiters: Sequence[Any]) -> StepContext:
-    return StepContext(
-        step, None, inputs=(PendingWorkerOutputs(step_id=step, waiters=tuple(waiters)),)
-    )
+def pending(step: int) -> StepContext:
+    return StepContext(step, None, inputs=(SchedulerOutput(step_id=step),))
+
+
+async def execute_and_merge(
+    agg: FanInAggregator, step: int, waiters: Sequence[Any], timeout_s: float = 300.0
+) -> FanInOutput:
+    """``execute → fan_in`` of one step over ``waiters``, as the engine graph runs them."""
+    ctx = pending(step)
+    ctx.put(await ExecuteStage(FakeRanks(waiters), timeout_s=timeout_s).run(ctx))
+    merged: FanInOutput = await FanInStage(agg).run(ctx)
+    return merged
 
 
 def answer(rank: int, step: int, **fields: Any) -> Any:
@@ -239,30 +249,20 @@ def boom(rank: int, step: int) -> Any:
     return waiter
 
 
-def hang() -> Any:
-    async def waiter() -> WorkerOutput:
-        await anyio.sleep(30)
-        raise AssertionError("unreachable")
-
-    return waiter
-
-
 @pytest.mark.anyio
 class TestFanInStage:
     async def test_merges_every_rank(self) -> None:
         """All ranks answering gives the aggregator's merge of their outputs."""
-        stage = FanInStage(FanInAggregator(2))
-        ctx = pending(3, [answer(0, 3, sampled_token_ids={"x": 1}), answer(1, 3)])
-        merged = await stage.run(ctx)
+        merged = await execute_and_merge(
+            FanInAggregator(2), 3, [answer(0, 3, sampled_token_ids={"x": 1}), answer(1, 3)]
+        )
         assert merged.step_id == 3 and merged.sampled_token_ids == {"x": 1}
         assert merged.num_ranks == 2
 
     async def test_several_failing_ranks_are_all_named(self) -> None:
         """Two ranks raising: one WorkerFailedError naming both; describe_failure finds both."""
-        stage = FanInStage(FanInAggregator(W))
-        ctx = pending(4, [boom(0, 4), answer(1, 4), boom(2, 4)])
         with pytest.raises(WorkerFailedError) as info:
-            await stage.run(ctx)
+            await execute_and_merge(FanInAggregator(W), 4, [boom(0, 4), answer(1, 4), boom(2, 4)])
         error = info.value
         assert error.rank == 0 and "worker rank 0 failed: injected on rank 0" in str(error)
         assert "also failed: rank 2: injected on rank 2" in str(error)
@@ -273,10 +273,10 @@ class TestFanInStage:
 
     async def test_missed_deadline_names_every_silent_rank(self) -> None:
         """Ranks 1 and 2 hanging past timeout_s: the error and the failure name both."""
-        stage = FanInStage(FanInAggregator(W), timeout_s=0.05)
-        ctx = pending(5, [answer(0, 5), hang(), hang()])
         with pytest.raises(WorkerFailedError) as info:
-            await stage.run(ctx)
+            await execute_and_merge(
+                FanInAggregator(W), 5, [answer(0, 5), hang(), hang()], timeout_s=0.05
+            )
         message = str(info.value)
         assert "worker rank 1 failed" in message and "also failed: rank 2" in message
         assert "deadline" in message
@@ -285,24 +285,35 @@ class TestFanInStage:
 
     async def test_one_failing_rank_is_raised_as_is(self) -> None:
         """A single failing rank's own error propagates, with its cause kept."""
-        stage = FanInStage(FanInAggregator(2))
         with pytest.raises(WorkerFailedError) as info:
-            await stage.run(pending(1, [answer(0, 1), boom(1, 1)]))
+            await execute_and_merge(FanInAggregator(2), 1, [answer(0, 1), boom(1, 1)])
         assert info.value.rank == 1 and describe_failure(1, info.value, None).ranks == (1,)
 
     async def test_reports_of_answering_ranks_survive_a_failed_step(self) -> None:
         """Rank 0's finished send in a failed step still counts toward the release."""
         agg = FanInAggregator(2)
-        stage = FanInStage(agg)
+        waiters = [answer(0, 0, finished_sending=frozenset({"a"})), boom(1, 0)]
+        graph = engine_graph_over(agg, FakeRanks(waiters))
         with pytest.raises(WorkerFailedError):
-            await stage.run(
-                pending(0, [answer(0, 0, finished_sending=frozenset({"a"})), boom(1, 0)])
-            )
+            await graph.run(pending(0))
         assert agg.pending_ranks("sending", "a") == {0}
-        merged = await stage.run(
-            pending(1, [answer(0, 1), answer(1, 1, finished_sending=frozenset({"a"}))])
+        merged = await execute_and_merge(
+            agg, 1, [answer(0, 1), answer(1, 1, finished_sending=frozenset({"a"}))]
         )
         assert merged.finished_sending == {"a"}
+
+
+def engine_graph_over(agg: FanInAggregator, executor: FakeRanks) -> StepGraph:
+    """``execute → fan_in ⟂ fail_step`` of the engine graph, over ``executor``."""
+    return StepGraph(
+        [
+            ExecuteStage(executor),
+            FanInStage(agg),
+            FailStepStage(make_scheduler(), agg, executor),
+        ],
+        inputs=(SchedulerOutput,),
+        name="engine",
+    )
 
 
 # ------------------------------------------------- what the scheduler does with it

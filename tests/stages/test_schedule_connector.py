@@ -21,7 +21,7 @@ from connectors.base import (
 from pipeline.artifacts import FanInOutput, SchedulerOutput
 from pipeline.config import SamplingParams
 from pipeline.request import Request, RequestOutput, RequestStatus
-from stages.schedule import Scheduler
+from stages.schedule import Scheduler, SchedulerSpec
 
 
 @attrs.frozen
@@ -68,17 +68,15 @@ class FakeConnector(KVConnectorScheduler):
         return [call[0] for call in self.calls]
 
 
-def make(connector: FakeConnector, **overrides: Any) -> Scheduler:
+def make(connector: FakeConnector, *, num_blocks: int = 32, **overrides: Any) -> Scheduler:
     options: dict[str, Any] = {
-        "num_blocks": 32,
         "block_size": 4,
         "max_num_seqs": 8,
         "max_num_batched_tokens": 64,
         "max_model_len": 128,
-        "connector": connector,
     }
     options.update(overrides)
-    return Scheduler(**options)
+    return Scheduler(SchedulerSpec(**options), num_blocks=num_blocks, connector=connector)
 
 
 def add(scheduler: Scheduler, req_id: str, prompt: list[int], max_tokens: int = 2) -> Request:

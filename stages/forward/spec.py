@@ -1,0 +1,74 @@
+"""``RunnerSpec``: what every rank's :class:`~stages.forward.runner.ModelRunner` is built
+from, derived once from :class:`~pipeline.config.EngineConfig`.
+
+The engine builds one spec and hands it to each in-process rank; a worker process
+rebuilds ``EngineConfig`` from its ``Init`` message and derives the same spec there (the
+spec never crosses a process boundary, only the config's plain values do). What differs
+between ranks (the rank, its tensor-parallel group, the runner whose weights it shares)
+is an argument of :meth:`ModelRunner.load`, not part of the spec.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pipeline.checks import check_int
+from pipeline.config import EngineConfig, config_values
+from pipeline.errors import InvalidConfigError
+
+__all__ = ["RunnerSpec"]
+
+_POSITIVE = ("block_size", "max_num_seqs", "max_model_len", "kv_cache_memory_bytes", "world_size")
+
+
+@attrs.frozen(kw_only=True)
+class RunnerSpec:
+    """The model, its placement and the KV cache's sizing, the same for every rank.
+
+    Attributes:
+        model: A local HF directory or ``"builtin:tiny"``.
+        dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16`` (resolved at load).
+        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` (resolved at load).
+        block_size: Tokens per KV block.
+        num_blocks: KV blocks; ``None`` sizes the cache for ``max_num_seqs`` sequences
+            of ``max_model_len`` tokens, capped by ``kv_cache_memory_bytes``
+            (``EngineConfig.num_gpu_blocks``).
+        max_num_seqs: Sequences the default cache size provides for.
+        max_model_len: Longest context served (also the rotary table length).
+        kv_cache_memory_bytes: Cap of the default cache size.
+        seed: Seed of the sampler for requests without their own seed.
+        world_size: Number of ranks.
+
+    Raises:
+        InvalidConfigError: A size that is not a positive integer, naming the field.
+            The dtype and device names are checked when the runner loads (``auto``
+            depends on the machine that loads it).
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    kv_cache_memory_bytes: int = 2 << 30
+    seed: int = 0
+    world_size: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        for name in _POSITIVE:
+            check_int(name, getattr(self, name), InvalidConfigError, lo=1)
+        check_int("num_blocks", self.num_blocks, InvalidConfigError, lo=1, optional=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, device: str | None = None) -> RunnerSpec:
+        """Every rank's spec under ``config``.
+
+        Args:
+            device: This rank's device where the executor places each rank itself (a
+                worker process is given ``cuda:N`` or ``cpu``); ``None`` keeps
+                ``config.device``.
+        """
+        spec = cls(**config_values(config, cls, num_blocks="num_gpu_blocks"))
+        return spec if device is None else attrs.evolve(spec, device=device)
