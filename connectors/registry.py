@@ -12,6 +12,7 @@ that registers itself while being imported from another thread cannot deadlock.
 from __future__ import annotations
 
 import importlib
+import inspect
 import threading
 from collections.abc import Mapping
 from typing import Literal, overload
@@ -91,6 +92,24 @@ def _load_builtin(name: str) -> None:
         raise
 
 
+def _check_half(what: str, cls: object, base: type) -> None:
+    """Refuse ``cls`` unless it is a subclass of ``base``."""
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise InvalidConfigError(what, cls, f"a subclass of connectors.{base.__name__}")
+
+
+def _check_concrete(what: str, cls: type, base: type) -> None:
+    """Refuse ``cls`` if it leaves abstract methods of ``base`` unimplemented."""
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        raise InvalidConfigError(
+            what,
+            cls,
+            f"{cls.__qualname__} is abstract: implement {missing} "
+            f"(the abstract methods of connectors.{base.__name__})",
+        )
+
+
 def register_connector(
     name: str,
     scheduler_cls: type[KVConnectorScheduler],
@@ -113,18 +132,14 @@ def register_connector(
 
     Raises:
         DuplicateConnectorError: ``name`` is taken and ``replace`` is false.
-        InvalidConfigError: An empty name, or a class that is not the right half.
+        InvalidConfigError: An empty name, or a class that is not the right half: not a
+            subclass of ``KVConnectorScheduler`` / ``KVConnectorWorker``, or abstract (the
+            message names the class and its unimplemented abstract methods).
     """
     if not isinstance(name, str) or not name:
         raise InvalidConfigError("connector name", name, "a non-empty string")
-    if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, KVConnectorScheduler)):
-        raise InvalidConfigError(
-            "scheduler_cls", scheduler_cls, "a subclass of connectors.KVConnectorScheduler"
-        )
-    if not (isinstance(worker_cls, type) and issubclass(worker_cls, KVConnectorWorker)):
-        raise InvalidConfigError(
-            "worker_cls", worker_cls, "a subclass of connectors.KVConnectorWorker"
-        )
+    _check_half("scheduler_cls", scheduler_cls, KVConnectorScheduler)
+    _check_half("worker_cls", worker_cls, KVConnectorWorker)
     try:
         _load_builtin(name)  # a built-in name is taken even before its first lookup
     except ImportError as exc:  # a broken built-in does not take its name
@@ -134,6 +149,8 @@ def register_connector(
         existing = _registry.get(name)
         if existing is not None and not replace and existing != spec:
             raise DuplicateConnectorError(name, existing)
+        _check_concrete("scheduler_cls", scheduler_cls, KVConnectorScheduler)
+        _check_concrete("worker_cls", worker_cls, KVConnectorWorker)
         _registry[name] = spec
     return spec
 

@@ -18,6 +18,7 @@ __all__ = [
     "ConnectorLifecycleError",
     "DuplicateConnectorError",
     "EngineDeadError",
+    "EngineNotStartedError",
     "EngineOverloaded",
     "FaultInjected",
     "FinalizerError",
@@ -218,6 +219,13 @@ class EngineOverloaded(KvstepError, RuntimeError):
 
 class EngineDeadError(KvstepError, RuntimeError):
     """The engine's step loop has died; every caller gets this, with the cause chained."""
+
+
+class EngineNotStartedError(KvstepError, RuntimeError):
+    """The engine is not running: used before ``async with AsyncEngine(...)``, or after it closed.
+
+    Distinct from :class:`EngineDeadError` (nothing failed); a server answers it with 503 too.
+    """
 
 
 class WorkerFailedError(KvstepError, RuntimeError):

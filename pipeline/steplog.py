@@ -1,10 +1,11 @@
 """The step log: one structured record per stage and one per step, from a StepReport.
 
 Records go to a JSON-lines file when a path is given, through a private structlog
-logger built with :func:`structlog.wrap_logger` (never global configuration), and, when
-the application has configured structlog itself, also to ``structlog.get_logger("kvstep")``
-at debug level. An unconfigured host application gets nothing on its stdout. The library
-never configures structlog globally.
+logger built with :func:`structlog.wrap_logger` (never global configuration), and also to
+kvstep's logger at debug level (:mod:`pipeline.logs`: structlog's ``kvstep`` logger when
+the application configured structlog, else ``logging.getLogger("kvstep")`` when it is
+enabled for debug). An unconfigured host application gets nothing on its stdout or
+stderr. The library never configures structlog globally.
 
 Each file record carries ``ts`` (unix time when it was written) and ``start_ts`` (unix
 time when the step or stage started), enough to draw a timeline later::
@@ -29,6 +30,7 @@ import structlog
 
 from pipeline.errors import InvalidConfigError
 from pipeline.kernel.report import StepReport
+from pipeline.logs import debug_enabled, get_logger
 
 __all__ = ["RESERVED_FIELDS", "StepLog", "bind_step"]
 
@@ -87,9 +89,8 @@ class StepLog:
         self._writer: Any = None
         # Called as listener(report, kind, fields) after each record_step (e.g. metrics).
         self.listeners: list[Callable[[StepReport, str, dict[str, Any]], None]] = []
-        # One lazy proxy for the log's lifetime: it resolves the application's structlog
-        # configuration at its first use, not a new proxy (and bind) per record.
-        self._app_log = structlog.get_logger("kvstep")
+        # One logger for the log's lifetime: it picks structlog or stdlib per record.
+        self._app_log = get_logger()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
@@ -138,7 +139,10 @@ class StepLog:
             try:
                 listener(report, kind, fields)
             except Exception as exc:  # a failing listener must not fail the step
-                structlog.get_logger("kvstep").error("step listener failed", error=repr(exc))
+                self._app_log.error("step listener failed", error=repr(exc))
+        to_app = debug_enabled()
+        if self._writer is None and not to_app:
+            return  # nobody reads the records: do not build them
         records = self._records(report, kind, fields)
         if self._writer is not None:
             with self._lock:
@@ -146,7 +150,7 @@ class StepLog:
                     for record in records:
                         self._writer.msg(**record)
                     self._file.flush()
-        if structlog.is_configured():
+        if to_app:
             for record in records:
                 self._app_log.debug(**record)
 

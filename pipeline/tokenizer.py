@@ -1,9 +1,15 @@
-"""Text in and out: the model directory's ``tokenizer.json``, through ``tokenizers``."""
+"""Text in and out: the model directory's ``tokenizer.json``, through ``tokenizers``.
+
+``tokenizer_config.json`` beside it, when present, gives the chat template and the
+special tokens the template refers to (``bos_token``, ``eos_token``).
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import ModelLoadError
 
@@ -11,7 +17,14 @@ __all__ = ["Tokenizer", "load_tokenizer"]
 
 
 class Tokenizer:
-    """A Hugging Face fast tokenizer (``tokenizer.json``). Thread-safe for encode/decode."""
+    """A Hugging Face fast tokenizer (``tokenizer.json``). Thread-safe for encode/decode.
+
+    Attributes:
+        path: The ``tokenizer.json`` file.
+        chat_template: The Jinja chat template of ``tokenizer_config.json``, or ``None``.
+        special_tokens: ``bos_token``, ``eos_token``, ... as strings (the template's
+            variables), from ``tokenizer_config.json``.
+    """
 
     def __init__(self, path: Path) -> None:
         import tokenizers
@@ -21,6 +34,16 @@ class Tokenizer:
         except Exception as exc:
             raise ModelLoadError(path, f"unreadable tokenizer.json: {exc}") from exc
         self.path = path
+        config = _read_config(path.parent / "tokenizer_config.json")
+        template = config.get("chat_template")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self.special_tokens: dict[str, str] = {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = config.get(key)
+            if isinstance(value, dict):  # an AddedToken written out
+                value = value.get("content")
+            if isinstance(value, str):
+                self.special_tokens[key] = value
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens as the tokenizer's post-processor adds)."""
@@ -30,10 +53,21 @@ class Tokenizer:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
 
-def load_tokenizer(model: str | Path) -> Tokenizer | None:
-    """The model directory's tokenizer, or ``None`` when it has no ``tokenizer.json``
-    (``builtin:`` models have none)."""
-    if str(model).startswith("builtin:"):
-        return None
-    path = Path(model) / "tokenizer.json"
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(path, f"unreadable tokenizer_config.json: {exc}") from exc
+    return config if isinstance(config, dict) else {}
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """The tokenizer of a model directory, or ``None`` when it has no ``tokenizer.json``.
+
+    ``builtin:`` names are not directories: pass the directory
+    ``stages.forward.resolve_model_path`` gives (the builtin models carry a tokenizer).
+    """
+    path = Path(model_dir) / "tokenizer.json"
     return Tokenizer(path) if path.is_file() else None

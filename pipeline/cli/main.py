@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 import types
@@ -19,8 +20,10 @@ from typing import Any
 import anyio
 import attrs
 
+from pipeline.cli.flag_help import RUN_DEFAULTS, config_flag_help, finish_help
 from pipeline.config import EngineConfig
 from pipeline.errors import InvalidConfigError, KvstepError
+from pipeline.logs import cli_logging
 
 __all__ = ["build_parser", "main"]
 
@@ -47,19 +50,26 @@ def _flag_kind(hint: Any) -> type:
     return str
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+def _add_config_flags(
+    parser: argparse.ArgumentParser, defaults: dict[str, str] | None = None
+) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for field in attrs.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_kind(hints[field.name])
+        text = config_flag_help(field, defaults)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
         elif kind is dict:
-            parser.add_argument(flag, type=_json_object, default=None, help="a JSON object")
+            parser.add_argument(
+                flag, type=_json_object, default=None, help=f"A JSON object. {text}"
+            )
         elif kind is str:
-            parser.add_argument(flag, default=None)
+            parser.add_argument(flag, default=None, help=text)
         else:
-            parser.add_argument(flag, type=kind, default=None)
+            parser.add_argument(flag, type=kind, default=None, help=text)
 
 
 def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,26 +86,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a shared-prefix workload twice, across a restart")
-    _add_config_flags(run)
-    run.add_argument("--num-prompts", type=int, default=16)
-    run.add_argument("--prefix-len", type=int, default=192)
-    run.add_argument("--suffix-len", type=int, default=32)
-    run.add_argument("--max-tokens", type=int, default=16)
+    _add_config_flags(run, RUN_DEFAULTS)
+    run.add_argument("--num-prompts", type=int, default=16, help="prompts per pass")
+    run.add_argument("--prefix-len", type=int, default=192, help="shared prefix tokens")
+    run.add_argument("--suffix-len", type=int, default=32, help="unique suffix tokens")
+    run.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
     run.add_argument("--keep-store", action="store_true", help="do not clear the store first")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--json", type=Path, default=None, help="write the results here")
 
     logs = sub.add_parser("logs", help="summarize a step log; export a trace or a plot")
-    logs.add_argument("file", type=Path)
+    logs.add_argument("file", type=Path, help="a JSON-lines step log (--step-log)")
     logs.add_argument("--trace", type=Path, default=None, help="Chrome trace-event JSON")
     logs.add_argument("--plot", type=Path, default=None, help="PNG stage timeline")
-    logs.add_argument("--steps", default=None, help="step range A:B of the plot")
+    logs.add_argument(
+        "--steps", default=None, help="only steps A:B (A: or :B open) in the summary and plot"
+    )
 
     serve = sub.add_parser("serve", help="OpenAI-compatible server (kvstep[server])")
     _add_config_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     _add_server_flags(serve)
+    finish_help(parser)
     return parser
 
 
@@ -117,7 +130,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     console = Console()
     with Progress(console=console, disable=args.no_progress, transient=True) as progress:
         task = progress.add_task("requests (2 passes)", total=2 * options.num_prompts)
-        results = anyio.run(run_job, config, options, lambda: progress.advance(task))
+        with cli_logging(logging.WARNING):  # kvstep's warnings and errors on stderr
+            results = anyio.run(run_job, config, options, lambda: progress.advance(task))
     table = Table(
         title="kvstep run: shared prefixes; 2nd pass on a restarted engine",
         caption="TTFT: median time to first token; loaded: tokens loaded from the store",
@@ -155,12 +169,13 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     )
 
     records = load_step_log(args.file)
-    print_summary(records)
+    steps = parse_steps(args.steps)
+    print_summary(records, steps=steps)
     if args.trace is not None:
         n = write_trace(records, args.trace)
         print(f"trace: {args.trace} ({n} events)")
     if args.plot is not None:
-        write_plot(records, args.plot, steps=parse_steps(args.steps))
+        write_plot(records, args.plot, steps=steps)
         print(f"plot: {args.plot}")
     return 0
 
@@ -192,7 +207,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _missing_server_extra(exc)
     try:
-        serve(config, args.host, args.port, server_options(args))
+        access = {"access_log": True} if getattr(args, "access_log", False) else {}
+        with cli_logging(logging.INFO):  # the ready, shutdown and request lines on stderr
+            serve(config, args.host, args.port, server_options(args), **access)
     except ModuleNotFoundError as exc:  # a lazy import inside serve()
         if (exc.name or "").split(".")[0] not in _SERVER_PACKAGES:
             raise

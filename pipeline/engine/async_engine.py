@@ -6,6 +6,7 @@ import contextlib
 import math
 import threading
 from collections import deque
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -17,7 +18,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.engine.core import EngineCore, GraphArg
-from pipeline.errors import EngineDeadError, EngineOverloaded, InvalidRequestError
+from pipeline.engine.inputs import check_one_prompt, check_sampling_params
+from pipeline.errors import (
+    EngineDeadError,
+    EngineNotStartedError,
+    EngineOverloaded,
+    InvalidRequestError,
+)
 from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
 
@@ -118,6 +125,7 @@ class AsyncEngine:
         self._wakeup = anyio.Event()
         self._dead: BaseException | None = None
         self._tg: TaskGroup | None = None
+        self._closed = False
         self.num_steps = 0
 
     @property
@@ -132,8 +140,19 @@ class AsyncEngine:
 
     @property
     def core(self) -> EngineCore:
+        """The engine core; only while the engine runs.
+
+        Raises:
+            EngineNotStartedError: Before ``async with`` (not started) or after it (closed).
+        """
         if self._core is None:
-            raise EngineDeadError("the engine is not running: use `async with AsyncEngine(...)`")
+            if self._closed:
+                raise EngineNotStartedError(
+                    "the engine is closed (its `async with` block ended); start a new one"
+                )
+            raise EngineNotStartedError(
+                "the engine is not started: use `async with AsyncEngine(...) as engine` first"
+            )
         return self._core
 
     async def __aenter__(self) -> AsyncEngine:
@@ -156,6 +175,7 @@ class AsyncEngine:
                 await self._tg.__aexit__(None, None, None)
         finally:
             self._tg = None
+            self._closed = True
             core, self._core = self._core, None
             if core is not None:
                 with anyio.CancelScope(shield=True):
@@ -170,24 +190,28 @@ class AsyncEngine:
 
     def generate(
         self,
-        prompt: list[int] | str,
+        prompt: Sequence[int] | str,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
     ) -> RequestStream:
         """Admit one request; iterate the result for its outputs.
 
+        ``prompt`` is one prompt: a string (needs a tokenizer) or a sequence of token ids;
+        a list of prompts is refused (call ``generate`` once per prompt).
+
         Raises at once (before anything is queued): ``InvalidRequestError`` for a bad
-        prompt, ``EngineOverloaded`` past ``max_queue_depth``, ``EngineDeadError`` when
-        the step loop has died.
+        prompt or parameters (a ``dict`` where ``SamplingParams`` is expected),
+        ``EngineOverloaded`` past ``max_queue_depth``, ``EngineDeadError`` when the step
+        loop has died, ``EngineNotStartedError`` before ``async with`` or after it.
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine's step loop died: {self._dead!r}") from self._dead
         core = self.core
+        check_sampling_params(params)
+        check_one_prompt(prompt)
         token_ids = core.validate_prompt(prompt)
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params", params, "must be a SamplingParams")
+        params = SamplingParams() if params is None else params
         if len(self._streams) >= self.config.max_queue_depth:
             raise EngineOverloaded(len(self._streams), self.config.max_queue_depth)
         request_id = request_id or core.new_request_id()

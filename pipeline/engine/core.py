@@ -28,6 +28,7 @@ from pipeline.request import Request, RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.tokenizer import load_tokenizer
 from stages.fan_in import FanInAggregator
+from stages.forward.builtin import tokenizer_dir
 from stages.graphs import default_engine_graph
 from stages.schedule.scheduler import Scheduler
 
@@ -78,7 +79,7 @@ class EngineCore:
             self.model_config = started.model_config
             self.fingerprint = started.fingerprint
             num_blocks = started.num_blocks
-            self.tokenizer = load_tokenizer(config.model)
+            self.tokenizer = load_tokenizer(tokenizer_dir(config.model))
             self.connector: KVConnectorScheduler | None = None
             if config.connector is not None:
                 self.connector = create_connector(

@@ -16,6 +16,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.core import GraphArg
+from pipeline.engine.inputs import as_prompt_list, check_sampling_params
 from pipeline.errors import EngineDeadError, InvalidRequestError
 from pipeline.request import RequestOutput
 
@@ -23,7 +24,7 @@ __all__ = ["LLM"]
 
 
 class LLM:
-    """Generate for a list of prompts, blocking until all are done.
+    """Generate for a prompt or a list of prompts, blocking until all are done.
 
     The engine runs on an event loop in a background thread (an anyio blocking portal),
     so ``LLM`` works from plain synchronous code. Use it as a context manager or call
@@ -71,29 +72,37 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int] | str],
+        prompts: Sequence[Sequence[int] | str] | Sequence[int] | str,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs are in prompt order.
+
+        ``prompts`` is one prompt (a string, which needs a tokenizer, or a list of token
+        ids) or a list of prompts: ``[1, 2, 3]`` is one prompt, ``[[1, 2], [3]]`` two,
+        ``"hi"`` one, ``["a", "b"]`` two. The result is always a list, one output per
+        prompt (a single prompt gives a list of one).
 
         A request that fails ends with ``finish_reason="error"``; the others complete.
         Bad input raises before any prompt is queued.
 
         Raises:
-            InvalidRequestError: A bad prompt or parameters (nothing was queued).
+            InvalidRequestError: A bad prompt or parameters (nothing was queued): an empty
+                list, a ``dict`` (or anything else) where ``SamplingParams`` is expected.
             EngineDeadError: The engine died (a worker process or actor is gone).
         """
+        prompt_list = as_prompt_list(prompts)
+        check_sampling_params(params, many=True)
         if isinstance(params, SamplingParams) or params is None:
-            per_prompt = [params or SamplingParams()] * len(prompts)
+            per_prompt = [params or SamplingParams()] * len(prompt_list)
         else:
             per_prompt = list(params)
-            if len(per_prompt) != len(prompts):
+            if len(per_prompt) != len(prompt_list):
                 raise InvalidRequestError(
-                    "params", len(per_prompt), f"must be one SamplingParams or {len(prompts)}"
+                    "params", len(per_prompt), f"must be one SamplingParams or {len(prompt_list)}"
                 )
         for each in per_prompt:
             self.engine.core.validate_params(each)
-        checked = [self.engine.core.validate_prompt(p) for p in prompts]
+        checked = [self.engine.core.validate_prompt(p) for p in prompt_list]
         return self._portal.call(self._generate, checked, per_prompt)
 
     async def _generate(

@@ -11,6 +11,7 @@ closes (the engine is gone: the worker exits rather than linger).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -33,7 +34,7 @@ from pipeline.executors.worker_steps import (
     run_step,
 )
 from pipeline.imports import resolve_import_path
-from pipeline.logs import get_logger
+from pipeline.logs import LOG_LEVEL_ENV, configure_cli_logging, get_logger
 from pipeline.steplog import StepLog
 
 __all__ = ["Records", "bind_worker_context", "main", "run_step", "serve", "start"]
@@ -46,11 +47,23 @@ DIST_MIN_TIMEOUT_S = 30.0
 def bind_worker_context(rank: int) -> None:
     """Bind ``rank`` and ``pid`` into structlog's contextvars for every event of this process.
 
-    The worker does not configure logging (kvstep never does): its events go through
-    structlog's defaults, whose first processor merges these contextvars, so each line
-    names the rank it came from.
+    Every kvstep event of the worker then carries them (:mod:`pipeline.logs` merges
+    structlog's contextvars into its stdlib records too), so each line names its rank.
     """
     structlog.contextvars.bind_contextvars(rank=rank, pid=os.getpid())
+
+
+def _configure_logging() -> None:
+    """Worker logging: none (silent, as its parent's library) unless the CLI asked for it.
+
+    A worker is a process of its own, so its events cannot reach the application's
+    handlers; its failures reach the engine as step errors. When the engine runs under
+    kvstep's CLI, ``KVSTEP_LOG_LEVEL`` is in the environment the worker inherited and it
+    writes its events at that level to stderr (shared with the CLI) like the CLI does.
+    """
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if level and isinstance(logging.getLevelName(level.upper()), int):
+        configure_cli_logging(logging.getLevelName(level.upper()), prefix="kvstep worker")
 
 
 def _register_connector(name: str, classes: tuple[str, str]) -> None:
@@ -160,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.executors.worker_proc")
     parser.add_argument("--fd", type=int, required=True, help="socket to the engine")
     args = parser.parse_args(argv)
+    _configure_logging()
     # Ctrl-C in a terminal reaches the whole process group: the engine owns this
     # worker's lifetime (Shutdown, or its end of the socket closing), not the terminal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -18,13 +18,16 @@ from pipeline.config import EngineConfig
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.errors import EngineDeadError
 from pipeline.logs import get_logger
+from pipeline.server.chat import chat_completions
 from pipeline.server.completions import completions
 from pipeline.server.errors import error_body, exception_handlers
 from pipeline.server.metrics import LoopLagMonitor, ServerMetrics
 from pipeline.server.middleware import GuardMiddleware
 from pipeline.server.options import ServerOptions
 from pipeline.server.prompt import PromptEncoder
+from pipeline.server.tokenize import detokenize, tokenize
 from pipeline.tokenizer import load_tokenizer
+from stages.forward.builtin import tokenizer_dir
 
 __all__ = ["ServerState", "create_app"]
 
@@ -137,7 +140,8 @@ def create_app(
             apply where uvicorn runs the app (:func:`pipeline.server.serve`).
 
     Returns:
-        A Starlette app with ``POST /v1/completions``, ``GET /v1/models``,
+        A Starlette app with ``POST /v1/completions``, ``POST /v1/chat/completions``,
+        ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``,
         ``GET /health`` and ``GET /metrics``. The app's state lives in
         ``app.state.kvstep`` (a :class:`ServerState`). Errors are OpenAI-shaped JSON
         (``pipeline.server.errors``).
@@ -148,7 +152,7 @@ def create_app(
     state = ServerState(
         model_name or config.model,
         given,
-        tokenizer=load_tokenizer(config.model),
+        tokenizer=load_tokenizer(tokenizer_dir(config.model)),
         max_model_len=config.max_model_len,
         options=options,
     )
@@ -173,7 +177,10 @@ def create_app(
     app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", _models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", _health, methods=["GET"]),
             Route("/metrics", _metrics, methods=["GET"]),
         ],

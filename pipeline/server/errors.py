@@ -15,7 +15,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pipeline.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, KvstepError
+from pipeline.errors import (
+    EngineDeadError,
+    EngineNotStartedError,
+    EngineOverloaded,
+    InvalidRequestError,
+    KvstepError,
+)
 from pipeline.logs import get_logger
 
 __all__ = [
@@ -139,6 +145,7 @@ def exception_handlers() -> dict[Any, Handler]:
         InvalidRequestError: _invalid_request,
         EngineOverloaded: _overloaded,
         EngineDeadError: _engine_dead,
+        EngineNotStartedError: _engine_dead,
         HTTPProblem: _problem,
         HTTPException: _http_exception,
     }

@@ -3,23 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from pipeline.config import EngineConfig
+from pipeline.logs import cli_logging, get_logger
 from pipeline.server.app import create_app
 from pipeline.server.options import API_KEY_ENV, ServerOptions
 
 __all__ = ["add_server_flags", "main", "serve", "server_options"]
 
+_log = get_logger()
 
-def serve(config: EngineConfig, host: str, port: int, options: ServerOptions | None = None) -> None:
+
+def serve(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    options: ServerOptions | None = None,
+    *,
+    access_log: bool = False,
+) -> None:
     """Serve an engine built from ``config`` on ``host:port`` until interrupted.
 
     Blocks the calling thread (uvicorn owns the event loop); SIGINT/SIGTERM shut the
     server down gracefully, which closes the engine (aborting what is in flight).
     ``options`` sets the body cap and timeout, the API key, the header and keep-alive
     timeouts and uvicorn's ``limit_concurrency`` (defaults: :class:`ServerOptions`).
+    ``access_log`` turns on uvicorn's access log (one line per request, on stdout).
+    Once listening it logs ``listening on http://HOST:PORT`` (info, ``kvstep`` logger),
+    and ``shutdown complete`` after a graceful stop.
+
+    Raises:
+        SystemExit: The server did not start (e.g. the port is in use; uvicorn logs why).
     """
     import uvicorn
 
@@ -27,16 +44,56 @@ def serve(config: EngineConfig, host: str, port: int, options: ServerOptions | N
 
     options = options or ServerOptions()
     app = create_app(config, freeze_gc=True, options=options)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        lifespan="on",
-        http=header_timeout_protocol(options.header_timeout_s),
-        timeout_keep_alive=max(1, round(options.timeout_keep_alive_s)),
-        limit_concurrency=options.limit_concurrency,
+    server = _server_class()(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=access_log,
+            lifespan="on",
+            http=header_timeout_protocol(options.header_timeout_s),
+            timeout_keep_alive=max(1, round(options.timeout_keep_alive_s)),
+            limit_concurrency=options.limit_concurrency,
+        )
     )
+    if access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    server.run()
+    if not server.started:
+        raise SystemExit(3)  # uvicorn's STARTUP_FAILURE, as uvicorn.run exits
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, logging the ready and shutdown lines.
+
+        The shutdown line is logged here, not after ``run()``: uvicorn re-raises the
+        SIGTERM/SIGINT it caught once it has shut down, which ends the process.
+        """
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                _log.info(f"listening on {_url(self)}")
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            await super().shutdown(sockets=sockets)
+            _log.info("shutdown complete")
+
+    return Server
+
+
+def _url(server: Any) -> str:
+    host, port = server.config.host, server.config.port
+    for listener in getattr(server, "servers", []):  # the bound port (also for --port 0)
+        for sock in listener.sockets:
+            port = sock.getsockname()[1]
+            break
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}"
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +129,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         default=defaults.limit_concurrency,
         help="connections + requests at once; 503 past it (0: no limit)",
     )
+    parser.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log one line per request (uvicorn's access log, on stdout; default: off)",
+    )
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -104,4 +166,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in ("max_model_len", "max_queue_depth", "executor", "world_size"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
-    serve(EngineConfig(**fields), args.host, args.port, server_options(args))  # type: ignore[arg-type]
+    with cli_logging(logging.INFO):
+        serve(
+            EngineConfig(**fields),  # type: ignore[arg-type]
+            args.host,
+            args.port,
+            server_options(args),
+            access_log=args.access_log,
+        )

@@ -27,8 +27,9 @@ from pipeline.errors import InvalidRequestError
 from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
 from pipeline.server.errors import UnsupportedFieldError
+from pipeline.server.prompts import parse_prompts
 
-__all__ = ["CompletionRequest", "parse_completion_request"]
+__all__ = ["CompletionRequest", "parse_completion_request", "parse_shared_fields"]
 
 _log = get_logger()
 _INT64 = 2**63
@@ -73,10 +74,11 @@ class CompletionRequest:
     """A validated ``POST /v1/completions`` body."""
 
     model: str | None
-    prompt: list[int] | str
+    prompts: tuple[list[int] | str, ...]
     params: SamplingParams
     stream: bool
-    include_usage: bool = True
+    include_usage: bool = False
+    max_tokens_given: bool = False
 
 
 def parse_completion_request(body: object, *, max_prompt_tokens: int) -> CompletionRequest:
@@ -90,7 +92,30 @@ def parse_completion_request(body: object, *, max_prompt_tokens: int) -> Complet
     if not isinstance(body, dict):
         raise InvalidRequestError("body", type(body).__name__, "must be a JSON object")
     _refuse_unsupported(body)
-    prompt = _prompt(body.get("prompt"), max_prompt_tokens)
+    prompts = parse_prompts(body.get("prompt"), max_prompt_tokens)
+    model, params, stream, include_usage = parse_shared_fields(body)
+    return CompletionRequest(
+        model=model,
+        prompts=prompts,
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens_given=body.get("max_tokens") is not None,
+    )
+
+
+def parse_shared_fields(
+    body: dict[Any, Any], *, extra_known: frozenset[str] | None = None
+) -> tuple[str | None, SamplingParams, bool, bool]:
+    """The fields completions and chat completions share, checked strictly.
+
+    Returns ``(model, params, stream, include_usage)``; raises ``InvalidRequestError``
+    naming the bad field (``n``, ``model``, ``user``, ``stream``, ``stream_options``,
+    the sampling fields). With ``extra_known`` (the endpoint's own fields), the body's
+    field names are checked first: unsupported ones refused, unknown ones logged.
+    """
+    if extra_known is not None:
+        _refuse_unsupported(body, extra_known)
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
         raise InvalidRequestError("n", _short(n), "only n=1 is supported")
@@ -116,15 +141,13 @@ def parse_completion_request(body: object, *, max_prompt_tokens: int) -> Complet
         params = SamplingParams(**fields)
     except (TypeError, OverflowError) as exc:
         raise InvalidRequestError("sampling parameters", "...", str(exc)) from exc
-    return CompletionRequest(
-        model=model, prompt=prompt, params=params, stream=stream, include_usage=include_usage
-    )
+    return model, params, stream, include_usage
 
 
-def _refuse_unsupported(body: dict[Any, Any]) -> None:
+def _refuse_unsupported(body: dict[Any, Any], extra_known: frozenset[str] = frozenset()) -> None:
     ignored = []
     for key, value in body.items():
-        if key in _KNOWN:
+        if key in _KNOWN or key in extra_known:
             continue
         if key in _NEUTRAL:
             if not _is_neutral(value, _NEUTRAL[key]):
@@ -150,29 +173,6 @@ def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
         elif type(value) is type(ok) and value == ok:
             return True
     return False
-
-
-def _prompt(prompt: object, max_tokens: int) -> list[int] | str:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list | str):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRequestError("prompt", "<text>", "must be valid Unicode") from None
-        return prompt
-    if not isinstance(prompt, list) or not prompt:
-        raise InvalidRequestError(
-            "prompt", _short(prompt), "must be a non-empty string or a non-empty list of token ids"
-        )
-    if len(prompt) >= max_tokens:
-        raise InvalidRequestError(
-            "prompt length", len(prompt), f"must be shorter than max_model_len={max_tokens}"
-        )
-    for tok in prompt:
-        if type(tok) is not int or not 0 <= tok < _INT64:
-            raise InvalidRequestError("prompt", _short(tok), "must be a list of integer token ids")
-    return prompt
 
 
 def _optional(body: dict[Any, Any], name: str, kind: type, what: str) -> Any:
@@ -211,7 +211,7 @@ def _stop_ids(value: object) -> list[int]:
 
 def _stream_options(value: object) -> bool:
     if value is None:
-        return True
+        return False  # OpenAI: usage only when stream_options.include_usage is true
     if not isinstance(value, dict):
         raise InvalidRequestError("stream_options", _short(value), "must be an object")
     for key, option in value.items():
@@ -221,7 +221,7 @@ def _stream_options(value: object) -> bool:
             raise InvalidRequestError(
                 "stream_options.include_usage", _short(option), "must be true or false"
             )
-    return value.get("include_usage") is not False
+    return value.get("include_usage") is True
 
 
 def _name(key: str) -> str:
@@ -240,9 +240,10 @@ def _short(value: object) -> object:
     return value
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    """OpenAI ``usage`` of a request's (last) output."""
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(*outs: RequestOutput) -> dict[str, int]:
+    """OpenAI ``usage`` of requests' (last) outputs, summed over a batch's prompts."""
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
+    completion = sum(len(out.token_ids) for out in outs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -258,8 +259,10 @@ def completion_body(
     finish_reason: str | None,
     usage_: dict[str, int] | None,
     created: int | None = None,
+    *,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """An OpenAI ``text_completion`` object (or one stream chunk of it)."""
+    """An OpenAI ``text_completion`` object (or one stream chunk of it), one choice."""
     body: dict[str, Any] = {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
@@ -267,7 +270,7 @@ def completion_body(
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": None,
                 "finish_reason": finish_reason,

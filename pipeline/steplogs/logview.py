@@ -19,7 +19,7 @@ from typing import IO, Any
 import attrs
 
 from pipeline.errors import InvalidConfigError
-from pipeline.steplogs.logplot import parse_steps, write_plot
+from pipeline.steplogs.logplot import parse_steps, select_steps, write_plot
 from pipeline.steplogs.logtrace import trace_events, write_trace
 
 __all__ = [
@@ -108,9 +108,11 @@ class LogSummary:
 
     Attributes:
         stages: Per-stage latency, engine stages first, in order of first appearance.
-        engine_steps: Engine step records.
-        worker_steps: Worker step records (all ranks).
+        engine_steps: Engine steps (one engine step record each).
+        worker_steps: Worker step records, all ranks together: one per rank per step, so
+            ``engine_steps * len(ranks)`` when every rank logged every step.
         ranks: Worker ranks seen.
+        steps: The step range ``(A, B)`` summarized (``None``: open).
         failed_steps: Step records (any kind) whose outcome is not ``"ok"``.
         batch_size_mean: Mean requests per engine step (0 without engine steps).
         batch_size_max: Most requests in one engine step.
@@ -139,10 +141,37 @@ class LogSummary:
     load_error_blocks: int
     failed_save_requests: int
     stage_errors: tuple[tuple[Any, Any, str, str], ...]
+    steps: tuple[int | None, int | None] = (None, None)
+
+    def counts_line(self) -> str:
+        """Steps and ranks in one unambiguous line."""
+        ranks = len(self.ranks)
+        selected = ""
+        if self.steps != (None, None):
+            first, stop = self.steps
+            selected = f" (steps {'' if first is None else first}:{'' if stop is None else stop})"
+        return (
+            f"engine steps: {self.engine_steps}, worker step records: {self.worker_steps} "
+            f"over {ranks} rank{'' if ranks == 1 else 's'}{selected}"
+        )
 
 
-def summarize(records: Sequence[Record]) -> LogSummary:
-    """Summarize step-log records (as read by :func:`load_step_log`)."""
+def summarize(
+    records: Sequence[Record], steps: tuple[int | None, int | None] = (None, None)
+) -> LogSummary:
+    """Summarize step-log records (as read by :func:`load_step_log`).
+
+    ``steps`` (``A:B`` as :func:`parse_steps` returns it) keeps only the records of
+    those steps.
+
+    Raises:
+        InvalidConfigError: ``steps`` selects no record of the log.
+    """
+    if steps != (None, None):
+        records = select_steps(records, steps)
+        if not records:
+            first, stop = steps
+            raise InvalidConfigError("--steps", f"{first}:{stop}", "selects no record of the log")
     durations: dict[tuple[str, str], list[float]] = {}
     stage_failures: dict[tuple[str, str], int] = {}
     stage_errors: list[tuple[Any, Any, str, str]] = []
@@ -202,16 +231,26 @@ def summarize(records: Sequence[Record]) -> LogSummary:
         load_error_blocks=total("load_error_blocks"),
         failed_save_requests=sum(len(r.get("failed_save_requests") or ()) for r in engine_steps),
         stage_errors=tuple(stage_errors),
+        steps=steps,
     )
 
 
-def print_summary(records: Sequence[Record], file: IO[str] | None = None) -> LogSummary:
-    """Print the summary tables of ``records`` (to ``file``, default stdout); return it."""
+def print_summary(
+    records: Sequence[Record],
+    file: IO[str] | None = None,
+    steps: tuple[int | None, int | None] = (None, None),
+) -> LogSummary:
+    """Print the summary tables of ``records`` in ``steps`` (to ``file``, default stdout).
+
+    Returns:
+        The summary printed.
+    """
     from rich.console import Console
     from rich.table import Table
 
-    summary = summarize(records)
+    summary = summarize(records, steps)
     console = Console(file=file, width=110)
+    console.print(summary.counts_line(), markup=False)
     latency = Table(title="stage latency (ms)")
     for title in ("kind", "stage", "count", "p50", "p99", "max", "errors"):
         latency.add_column(title, justify="left" if title in ("kind", "stage") else "right")
@@ -226,8 +265,8 @@ def print_summary(records: Sequence[Record], file: IO[str] | None = None) -> Log
     totals.add_column("value", justify="right")
     for what, value in (
         ("engine steps", summary.engine_steps),
-        ("worker steps (all ranks)", summary.worker_steps),
-        ("ranks", ", ".join(map(str, summary.ranks)) or "-"),
+        ("worker step records (one per rank per step)", summary.worker_steps),
+        (f"worker ranks ({len(summary.ranks)})", ", ".join(map(str, summary.ranks)) or "-"),
         ("batch size (mean / max)", f"{summary.batch_size_mean:.1f} / {summary.batch_size_max}"),
         ("tokens scheduled", summary.num_tokens),
         ("KV loaded (tokens / bytes)", f"{summary.loaded_tokens} / {summary.loaded_bytes}"),

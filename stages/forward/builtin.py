@@ -1,7 +1,9 @@
 """``builtin:tiny``: a small random Llama, built deterministically and cached on disk.
 
 The checkpoint is generated from a fixed seed with an explicit ``torch.Generator``,
-written in Hugging Face format (``config.json`` + ``model.safetensors``) to
+written in Hugging Face format (``config.json`` + ``model.safetensors``, with the
+byte-level BPE ``tokenizer.json`` and ``tokenizer_config.json`` of
+:mod:`stages.forward.builtin_tokenizer`) to
 ``$KVSTEP_CACHE_DIR`` (default ``~/.cache/kvstep``) under ``builtin-tiny-<hash>``, and
 then loaded through the normal loader like any other checkpoint. Creation is atomic
 (write to a temporary directory, then rename), so concurrent processes never see a
@@ -23,10 +25,17 @@ from safetensors.torch import save_file
 
 from pipeline.errors import ModelLoadError
 from pipeline.logs import get_logger
+from stages.forward.builtin_tokenizer import tokenizer_version, write_tokenizer
 from stages.forward.config import ModelConfig
 from stages.forward.model import CausalLM
 
-__all__ = ["BUILTIN_MODELS", "TINY_CONFIG", "build_tiny_state_dict", "resolve_model_path"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "TINY_CONFIG",
+    "build_tiny_state_dict",
+    "resolve_model_path",
+    "tokenizer_dir",
+]
 
 log = get_logger()
 
@@ -54,7 +63,8 @@ TINY_CONFIG: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
-# Changing the seed, the stds or TINY_CONFIG changes the weights, hence the version hash.
+# Changing the seed, the stds or TINY_CONFIG changes the weights, hence the version hash;
+# the tokenizer's own version (its text, settings and chat template) is part of it too.
 _SEED = 20240601
 _EMBED_STD = 1.0
 _LINEAR_STD = 0.08
@@ -63,6 +73,7 @@ _INIT_SCHEME = "normal-v1"
 
 def _version() -> str:
     spec = {"config": TINY_CONFIG, "seed": _SEED, "stds": [_EMBED_STD, _LINEAR_STD]}
+    spec["tokenizer"] = tokenizer_version()
     raw = json.dumps({**spec, "scheme": _INIT_SCHEME}, sort_keys=True).encode()
     return hashlib.sha256(raw).hexdigest()[:12]
 
@@ -97,6 +108,7 @@ def _ensure_tiny(root: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".builtin-tiny-", dir=root))
     try:
         (tmp / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2), encoding="utf-8")
+        write_tokenizer(tmp)
         save_file(build_tiny_state_dict(), str(tmp / "model.safetensors"))
         try:
             os.rename(tmp, final)
@@ -127,3 +139,12 @@ def resolve_model_path(model: str) -> Path:
     if not path.is_dir():
         raise ModelLoadError(path, "no such model directory (expected config.json + *.safetensors)")
     return path
+
+
+def tokenizer_dir(model: str) -> Path:
+    """Where ``model``'s tokenizer files are: a builtin's directory (built once), or
+    ``model`` itself as a path, unchecked (a remote-only path simply has no tokenizer here).
+    """
+    if model.startswith("builtin:"):
+        return resolve_model_path(model)
+    return Path(model).expanduser()

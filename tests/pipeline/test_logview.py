@@ -114,3 +114,26 @@ class TestLogsCommand:
         assert main(["logs", str(step_log), "--plot", plot, "--steps", "x"]) == 2
         assert main(["logs", str(step_log), "--plot", plot, "--steps", "900:"]) == 2
         assert capsys.readouterr().err.count("kvstep: error") == 3
+
+
+class TestCountsAndRange:
+    def test_counts_line_names_steps_records_and_ranks(self, step_log: Path) -> None:
+        """The summary opens with engine steps, worker step records and the number of ranks."""
+        out = io.StringIO()
+        summary = print_summary(load_step_log(step_log), file=out)
+        line = (
+            f"engine steps: {summary.engine_steps}, "
+            f"worker step records: {2 * summary.engine_steps} over 2 ranks"
+        )
+        assert line in out.getvalue()
+
+    def test_steps_range_filters_the_summary(
+        self, step_log: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """``kvstep logs --steps 1:3`` summarizes 2 engine steps, not the whole log."""
+        records = load_step_log(step_log)
+        assert summarize(records, (1, 3)).engine_steps == 2
+        assert main(["logs", str(step_log), "--steps", "1:3"]) == 0
+        assert "engine steps: 2, worker step records: 4 over 2 ranks (steps 1:3)" in (
+            capsys.readouterr().out
+        )

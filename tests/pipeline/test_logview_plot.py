@@ -58,3 +58,36 @@ class TestParseSteps:
         for bad in ("5", "a:b", "1:2:3"):
             with pytest.raises(InvalidConfigError, match="--steps"):
                 parse_steps(bad)
+
+
+def _stage(step: int, rank: int | None, stage: str, start: float, dur: float) -> dict[str, Any]:
+    kind = "engine" if rank is None else "worker"
+    return {"event": "stage", "kind": kind, "stage": stage, "step_id": step, "rank": rank,
+            "start_ts": start, "duration_s": dur, "outcome": "ok"}  # fmt: skip
+
+
+class TestTimelineLayout:
+    def test_idle_gap_is_cut_and_marked(self) -> None:
+        """A 10 s idle gap between 1 ms steps is cut to one step's width, keeping its length."""
+        from pipeline.steplogs.logplot import TimeAxis
+
+        starts = (100.0, 100.0015, 110.0)
+        chosen = [_stage(i, None, "execute", t, 0.001) for i, t in enumerate(starts)]
+        axis = TimeAxis.build(chosen)
+        (cut,) = axis.cuts()
+        assert cut.idle_ms == pytest.approx(9997.5)
+        assert axis.x(110.0) == pytest.approx(2.5 + axis.keep_ms)
+        assert axis.x(100.0015) == pytest.approx(1.5)  # the short gap stays
+
+    def test_every_stage_has_its_own_colour(self) -> None:
+        """Colours are distinct for up to 60 stages (matplotlib's C0..C9 repeat after 10)."""
+        from pipeline.steplogs.logplot import stage_colors
+
+        colors = stage_colors([f"s{i}" for i in range(20)])
+        assert len(set(colors.values())) == 20
+
+    def test_plot_of_a_gappy_log_draws_every_bar(self, tmp_path: Path) -> None:
+        """A log with an idle gap still renders, one bar per stage record."""
+        records = [_stage(s, r, f"st{k}", 10.0 * (s // 2) + 0.001 * s + 0.0001 * k, 0.0001)
+                   for s in range(4) for r in (None, 0) for k in range(12)]  # fmt: skip
+        assert write_plot(records, tmp_path / "gap.png") == len(records)

@@ -58,17 +58,20 @@ class TestCompletions:
 
     @pytest.mark.anyio
     async def test_streaming_ends_with_usage_and_done(self, config: EngineConfig) -> None:
-        """SSE chunks carry one token each; the last has usage, then ``[DONE]``."""
+        """SSE chunks carry one token each; a usage chunk (asked for) ends, then ``[DONE]``."""
+        body = _body(stream=True, ignore_eos=True, stream_options={"include_usage": True})
         async with client_for(create_app(config)) as client:
-            resp = await client.post("/v1/completions", json=_body(stream=True, ignore_eos=True))
+            resp = await client.post("/v1/completions", json=body)
         assert resp.headers["content-type"].startswith("text/event-stream")
         events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [httpx.Response(200, content=e).json() for e in events[:-1]]
-        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 4
+        assert chunks[-1]["choices"] == []  # OpenAI's usage chunk
         assert chunks[-1]["usage"]["completion_tokens"] == 4
+        chunks = chunks[:-1]
+        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 4
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert all("usage" not in c for c in chunks[:-1])
+        assert all("usage" not in c for c in chunks)
 
 
 class TestErrors:

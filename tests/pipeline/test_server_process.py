@@ -102,11 +102,14 @@ class TestOpenAIClient:
                 max_tokens=12,
                 temperature=0.0,
                 stream=True,
+                stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True},
             )
             chunks = list(stream)
         finally:
             client.close()
+        usage_chunk, chunks = chunks[-1], chunks[:-1]  # OpenAI's last chunk: usage, no choices
+        assert usage_chunk.choices == []
         got = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
         text = "".join(c.choices[0].text for c in chunks)
         config = EngineConfig(model=str(llama_path), dtype="float32", max_model_len=MAX_MODEL_LEN)
@@ -117,9 +120,9 @@ class TestOpenAIClient:
         assert got == list(expected.token_ids)
         assert text.split() == [str(t) for t in expected.token_ids]
         assert chunks[-1].choices[0].finish_reason == "length"
-        assert chunks[-1].usage is not None
-        assert chunks[-1].usage.completion_tokens == 12
-        assert chunks[-1].usage.total_tokens == 12 + len(PROMPT)
+        assert usage_chunk.usage is not None
+        assert usage_chunk.usage.completion_tokens == 12
+        assert usage_chunk.usage.total_tokens == 12 + len(PROMPT)
 
     def test_models_route(self, server: Server) -> None:
         """The client lists the served model."""

@@ -64,6 +64,20 @@ class TestTextPrompts:
         with LLM(config) as llm, pytest.raises(InvalidRequestError, match=r"tokenizer\.json"):
             llm.generate(["some text"], SamplingParams(max_tokens=2))
 
-    def test_no_tokenizer_for_builtin_models(self) -> None:
-        """builtin: models have no tokenizer."""
-        assert load_tokenizer("builtin:tiny") is None
+    def test_no_tokenizer_for_a_directory_without_one(self, tiny_checkpoints) -> None:
+        """A model directory without tokenizer.json has no tokenizer (ids only)."""
+        assert load_tokenizer(tiny_checkpoints["llama"]) is None
+
+    def test_builtin_tiny_takes_text_out_of_the_box(self) -> None:
+        """builtin:tiny carries a tokenizer: a text prompt generates what its ids do."""
+        from stages.forward.builtin import tokenizer_dir
+
+        tok = load_tokenizer(tokenizer_dir("builtin:tiny"))
+        assert tok is not None
+        ids = tok.encode("hello world")
+        assert tok.decode(ids) == "hello world"
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        with LLM(EngineConfig(model="builtin:tiny", max_model_len=128)) as llm:
+            by_text, by_ids = llm.generate(["hello world", ids], params)
+        assert by_text.prompt_token_ids == tuple(ids)
+        assert by_text.token_ids == by_ids.token_ids

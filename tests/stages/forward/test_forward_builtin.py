@@ -22,10 +22,15 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 class TestBuiltinTiny:
     def test_builds_into_cache_dir(self, cache_dir: Path) -> None:
-        """The first resolve writes config.json + model.safetensors under the cache dir."""
+        """The first resolve writes the checkpoint and its tokenizer under the cache dir."""
         path = resolve_model_path("builtin:tiny")
         assert path.parent == cache_dir and path.name.startswith("builtin-tiny-")
-        assert {p.name for p in path.iterdir()} == {"config.json", "model.safetensors"}
+        assert {p.name for p in path.iterdir()} == {
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        }
         assert [p.name for p in cache_dir.iterdir()] == [path.name]  # no temp dir left
 
     def test_second_resolve_reuses_the_cache(
