@@ -18,12 +18,23 @@ from typing import NoReturn
 import anyio
 import anyio.to_thread
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 
 from pipeline.errors import InvalidRequestError
-from pipeline.server.errors import HTTPProblem
+from pipeline.logs import get_logger
+from pipeline.server.errors import HTTPProblem, request_id
 from pipeline.server.options import ServerOptions
 
-__all__ = ["INLINE_PARSE_BYTES", "ClientGone", "parse_json", "read_json"]
+_log = get_logger()
+
+__all__ = [
+    "CLIENT_CLOSED",
+    "INLINE_PARSE_BYTES",
+    "ClientGone",
+    "parse_json",
+    "read_body",
+    "read_json",
+]
 
 INLINE_PARSE_BYTES = 16 * 1024
 _CLOSE = {"Connection": "close"}
@@ -108,3 +119,21 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{text[:40]} overflows a float")
     return value
+
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": never seen by the client
+
+
+async def read_body(request: Request) -> object | Response:
+    """The route's JSON body under the app's limits, or the 499 response to return when
+    the client disconnected mid-body (logged as one line, never a traceback).
+
+    Raises:
+        HTTPProblem: As :func:`read_json`.
+    """
+    state = request.app.state.kvstep
+    try:
+        return await read_json(request, state.options, state.parse_limiter)
+    except ClientGone:
+        _log.info("client_disconnected_mid_body", request_id=request_id(request))
+        return Response(status_code=CLIENT_CLOSED)

@@ -27,8 +27,8 @@ from pipeline.engine.async_engine import RequestStream
 from pipeline.errors import EngineDeadError, InvalidRequestError
 from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
-from pipeline.server.body import ClientGone, read_json
-from pipeline.server.completions import _CLIENT_CLOSED, _count_finished
+from pipeline.server.body import CLIENT_CLOSED, read_body
+from pipeline.server.completions import _count_finished
 from pipeline.server.detokenize import Detokenizer, decode_ids_text
 from pipeline.server.errors import error_body, request_id
 from pipeline.server.prompts import fit_max_tokens
@@ -50,11 +50,9 @@ MAX_MESSAGES = 1024
 async def chat_completions(request: Request) -> Response:
     """The chat completions route (see the module doc)."""
     state: ServerState = request.app.state.kvstep
-    try:
-        body = await read_json(request, state.options, state.parse_limiter)
-    except ClientGone:
-        _log.info("client_disconnected_mid_body", request_id=request_id(request))
-        return Response(status_code=_CLIENT_CLOSED)
+    body = await read_body(request)
+    if isinstance(body, Response):  # the client went away mid-body
+        return body
     if not isinstance(body, dict):
         raise InvalidRequestError("body", type(body).__name__, "must be a JSON object")
     _check_max_completion_tokens(body)
@@ -124,7 +122,7 @@ async def _collect_unless_gone(
             "client_disconnected", request_id=request_id(request), engine_request=stream.request_id
         )
         state.metrics.requests.labels("abort").inc()
-        return Response(status_code=_CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
     return result[0]
 
 

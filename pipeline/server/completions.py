@@ -36,7 +36,7 @@ from pipeline.engine.async_engine import RequestStream
 from pipeline.errors import EngineDeadError
 from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
-from pipeline.server.body import ClientGone, read_json
+from pipeline.server.body import CLIENT_CLOSED, read_body
 from pipeline.server.detokenize import Detokenizer, decode_ids_text
 from pipeline.server.errors import error_body, request_id
 from pipeline.server.prompts import fit_max_tokens
@@ -48,18 +48,15 @@ if TYPE_CHECKING:
 __all__ = ["completions"]
 
 _log = get_logger()
-_CLIENT_CLOSED = 499  # nginx's "client closed request": never seen by the client
 _Item = tuple[int, RequestOutput | Exception]
 
 
 async def completions(request: Request) -> Response:
     """The completions route (see the module doc)."""
     state: ServerState = request.app.state.kvstep
-    try:
-        body = await read_json(request, state.options, state.parse_limiter)
-    except ClientGone:
-        _log.info("client_disconnected_mid_body", request_id=request_id(request))
-        return Response(status_code=_CLIENT_CLOSED)
+    body = await read_body(request)
+    if isinstance(body, Response):  # the client went away mid-body
+        return body
     parsed = parse_completion_request(body, max_prompt_tokens=state.max_model_len)
     if parsed.model is not None and parsed.model != state.model_name:
         message = (
@@ -124,7 +121,7 @@ async def _collect_unless_gone(
             request_id=request_id(request),
             engine_requests=[s.request_id for s in streams],
         )
-        return Response(status_code=_CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
     return result[0]
 
 

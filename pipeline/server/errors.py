@@ -31,6 +31,7 @@ __all__ = [
     "error_response",
     "exception_handlers",
     "request_id",
+    "short_value",
 ]
 
 _log = get_logger()
@@ -149,3 +150,14 @@ def exception_handlers() -> dict[Any, Handler]:
         HTTPProblem: _problem,
         HTTPException: _http_exception,
     }
+
+
+def short_value(value: object) -> object:
+    """``value`` or a stand-in short enough for an error message."""
+    if isinstance(value, str):
+        return value if len(value) <= 40 else value[:40] + "..."
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if abs(value) < 10**30 else f"<{value.bit_length()}-bit integer>"
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return value

@@ -21,7 +21,7 @@ import attrs
 
 from pipeline.config import SamplingParams
 from pipeline.errors import InvalidRequestError
-from pipeline.server.errors import HTTPProblem
+from pipeline.server.errors import HTTPProblem, short_value
 
 __all__ = ["MAX_PROMPTS", "context_length_error", "fit_max_tokens", "parse_prompts"]
 
@@ -55,7 +55,7 @@ def _one(prompt: object, max_model_len: int, where: str) -> Prompt:
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequestError(
             "prompt",
-            _short(prompt),
+            short_value(prompt),
             f"{where} must be a non-empty string or a non-empty list of token ids",
         )
     if len(prompt) >= max_model_len:
@@ -63,7 +63,7 @@ def _one(prompt: object, max_model_len: int, where: str) -> Prompt:
     for tok in prompt:
         if type(tok) is not int or not 0 <= tok < _INT64:
             raise InvalidRequestError(
-                "prompt", _short(tok), f"{where} must be a list of integer token ids"
+                "prompt", short_value(tok), f"{where} must be a list of integer token ids"
             )
     return prompt
 
@@ -103,13 +103,3 @@ def context_length_error(
         f"This model's maximum context length is {max_model_len} tokens. However, {asked}. {fix}"
     )
     return HTTPProblem(400, message, code="context_length_exceeded", param=param)
-
-
-def _short(value: object) -> object:
-    if isinstance(value, str):
-        return value if len(value) <= 40 else value[:40] + "..."
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if abs(value) < 10**30 else f"<{value.bit_length()}-bit integer>"
-    if isinstance(value, list | dict):
-        return f"<{type(value).__name__} of {len(value)}>"
-    return value

@@ -26,7 +26,7 @@ from pipeline.config import MAX_STOP_TOKEN_IDS, SamplingParams
 from pipeline.errors import InvalidRequestError
 from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
-from pipeline.server.errors import UnsupportedFieldError
+from pipeline.server.errors import UnsupportedFieldError, short_value
 from pipeline.server.prompts import parse_prompts
 
 __all__ = ["CompletionRequest", "parse_completion_request", "parse_shared_fields"]
@@ -118,7 +118,7 @@ def parse_shared_fields(
         _refuse_unsupported(body, extra_known)
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
-        raise InvalidRequestError("n", _short(n), "only n=1 is supported")
+        raise InvalidRequestError("n", short_value(n), "only n=1 is supported")
     model = _optional(body, "model", str, "a string")
     _optional(body, "user", str, "a string")
     stream = _optional(body, "stream", bool, "true or false") or False
@@ -151,7 +151,7 @@ def _refuse_unsupported(body: dict[Any, Any], extra_known: frozenset[str] = froz
             continue
         if key in _NEUTRAL:
             if not _is_neutral(value, _NEUTRAL[key]):
-                raise UnsupportedFieldError(key, _short(value))
+                raise UnsupportedFieldError(key, short_value(value))
         else:
             ignored.append(_name(key))
     if ignored:
@@ -178,13 +178,15 @@ def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
 def _optional(body: dict[Any, Any], name: str, kind: type, what: str) -> Any:
     value = body.get(name)
     if value is not None and type(value) is not kind:
-        raise InvalidRequestError(name, _short(value), f"must be {what}")
+        raise InvalidRequestError(name, short_value(value), f"must be {what}")
     return value
 
 
 def _int(name: str, value: object, low: int, high: int) -> int:
     if type(value) is not int or not low <= value < high:
-        raise InvalidRequestError(name, _short(value), f"must be an integer in [{low}, {high})")
+        raise InvalidRequestError(
+            name, short_value(value), f"must be an integer in [{low}, {high})"
+        )
     return value
 
 
@@ -192,7 +194,7 @@ def _float(name: str, value: object) -> float:
     if type(value) is int and abs(value) < _INT64:
         return float(value)
     if type(value) is not float or not math.isfinite(value):
-        raise InvalidRequestError(name, _short(value), "must be a finite number")
+        raise InvalidRequestError(name, short_value(value), "must be a finite number")
     return value
 
 
@@ -200,12 +202,14 @@ def _stop_ids(value: object) -> list[int]:
     if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequestError(
             "stop_token_ids",
-            _short(value),
+            short_value(value),
             f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
         )
     for tok in value:
         if type(tok) is not int or not 0 <= tok < _INT64:
-            raise InvalidRequestError("stop_token_ids", _short(tok), "must hold token ids >= 0")
+            raise InvalidRequestError(
+                "stop_token_ids", short_value(tok), "must hold token ids >= 0"
+            )
     return value
 
 
@@ -213,13 +217,13 @@ def _stream_options(value: object) -> bool:
     if value is None:
         return False  # OpenAI: usage only when stream_options.include_usage is true
     if not isinstance(value, dict):
-        raise InvalidRequestError("stream_options", _short(value), "must be an object")
+        raise InvalidRequestError("stream_options", short_value(value), "must be an object")
     for key, option in value.items():
         if key != "include_usage":
-            raise UnsupportedFieldError(f"stream_options.{_name(key)}", _short(option))
+            raise UnsupportedFieldError(f"stream_options.{_name(key)}", short_value(option))
         if option is not None and type(option) is not bool:
             raise InvalidRequestError(
-                "stream_options.include_usage", _short(option), "must be true or false"
+                "stream_options.include_usage", short_value(option), "must be true or false"
             )
     return value.get("include_usage") is True
 
@@ -227,17 +231,6 @@ def _stream_options(value: object) -> bool:
 def _name(key: str) -> str:
     """A field name fit for a message, a log line and JSON (no lone surrogates)."""
     return key[:64].encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _short(value: object) -> object:
-    """``value`` or a stand-in short enough for an error message."""
-    if isinstance(value, str):
-        return value if len(value) <= 40 else value[:40] + "..."
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if abs(value) < 10**30 else f"<{value.bit_length()}-bit integer>"
-    if isinstance(value, list | dict):
-        return f"<{type(value).__name__} of {len(value)}>"
-    return value
 
 
 def usage(*outs: RequestOutput) -> dict[str, int]:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pipeline.errors import InvalidRequestError
-from pipeline.server.body import ClientGone, read_json
+from pipeline.server.body import read_body
 from pipeline.server.errors import UnsupportedFieldError, error_body
 from pipeline.server.prompt import INLINE_ENCODE_BYTES
 
@@ -30,7 +30,6 @@ __all__ = ["MAX_DETOKENIZE_TOKENS", "detokenize", "tokenize"]
 #: Most token ids one ``/detokenize`` request may carry.
 MAX_DETOKENIZE_TOKENS = 1 << 17
 _INLINE_DECODE_TOKENS = 1024
-_CLIENT_CLOSED = 499
 
 
 async def tokenize(request: Request) -> Response:
@@ -81,10 +80,9 @@ async def detokenize(request: Request) -> Response:
 
 async def _read(request: Request, fields: set[str]) -> tuple[ServerState, Any]:
     state: ServerState = request.app.state.kvstep
-    try:
-        body = await read_json(request, state.options, state.parse_limiter)
-    except ClientGone:
-        return state, Response(status_code=_CLIENT_CLOSED)
+    body = await read_body(request)
+    if isinstance(body, Response):  # the client went away mid-body
+        return state, body
     if not isinstance(body, dict):
         raise InvalidRequestError("body", type(body).__name__, "must be a JSON object")
     for key in body:
