@@ -55,7 +55,7 @@ from pipeline.kernel import (
     is_finalizer,
     stage,
 )
-from pipeline.request import Request, RequestOutput, RequestStatus
+from pipeline.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from pipeline.steplog import StepLog, bind_step
 
 __all__ = [
@@ -87,6 +87,7 @@ __all__ = [
     "RankOutputs",
     "RayExecutor",
     "Request",
+    "RequestMetrics",
     "RequestOutput",
     "RequestStatus",
     "RequestStream",

@@ -50,6 +50,10 @@ class ScheduledRequest:
             token); ``False`` for a non-final prefill chunk.
         num_output_tokens: Tokens generated so far: the index of the token that a sample
             produces, which seeds per-request sampling deterministically.
+        prefix_token_ids: When ``new`` and the sampling reads the request's earlier
+            tokens (a penalty, ``SamplingParams.needs_history``): the tokens before
+            ``num_computed_tokens`` (whose KV came from a cache), so that the worker
+            knows the whole sequence. Empty otherwise.
     """
 
     req_id: str
@@ -60,6 +64,7 @@ class ScheduledRequest:
     sampling: SamplingParams
     sample: bool
     num_output_tokens: int
+    prefix_token_ids: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:

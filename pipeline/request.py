@@ -10,7 +10,7 @@ import attrs
 from pipeline.config import SamplingParams
 from pipeline.errors import StepFailure
 
-__all__ = ["FINISH_REASONS", "Request", "RequestOutput", "RequestStatus"]
+__all__ = ["FINISH_REASONS", "Request", "RequestMetrics", "RequestOutput", "RequestStatus"]
 
 FINISH_REASONS = ("length", "stop", "abort", "error")
 
@@ -59,11 +59,16 @@ class Request:
         "block_hashes",
         "eos_token_id",
         "error",
+        "finished_time",
+        "first_scheduled_time",
+        "first_token_time",
         "kv_transfer_params",
+        "last_token_time",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_external_computed_tokens",
         "num_preemptions",
+        "num_prefix_cached_tokens",
         "num_prompt_tokens",
         "request_id",
         "sampling_params",
@@ -88,7 +93,13 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length, set when first scheduled
         self.num_external_computed_tokens = 0
+        self.num_prefix_cached_tokens = 0  # of num_cached_tokens, from the local prefix cache
         self.num_preemptions = 0
+        # time.monotonic() of the request's milestones, set by the scheduler.
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
         self.block_hashes: list[bytes] = []
         self.error: str | None = None
         self.kv_transfer_params: dict[str, object] | None = None
@@ -116,11 +127,84 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
+    @property
+    def metrics(self) -> RequestMetrics:
+        """The request's timings and cache counts so far."""
+        return RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            last_token_time=self.last_token_time,
+            finished_time=self.finished_time,
+            num_output_tokens=len(self.all_token_ids) - self.num_prompt_tokens,
+            num_cached_tokens=self.num_prefix_cached_tokens,
+            num_external_tokens=self.num_external_computed_tokens,
+        )
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+@attrs.frozen(kw_only=True)
+class RequestMetrics:
+    """A request's timings and cache counts, as known when an output was made.
+
+    Times are ``time.monotonic()`` seconds of this process (compare them with each
+    other, not with wall time); each is ``None`` until the milestone happened.
+
+    Attributes:
+        arrival_time: When the engine received the request.
+        first_scheduled_time: When a step first admitted it (its queue wait ends).
+        first_token_time: When its first output token was sampled.
+        last_token_time: When its latest output token was sampled.
+        finished_time: When it finished (any reason).
+        num_output_tokens: Tokens generated so far.
+        num_cached_tokens: Prompt tokens served from the local prefix cache.
+        num_external_tokens: Prompt tokens loaded by the KV connector.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_external_tokens: int = 0
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """Arrival to first scheduled (``None`` until scheduled)."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token: arrival to first sampled token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        """Mean inter-token latency: (last - first token time) / (tokens - 1);
+        ``None`` with fewer than two tokens."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        if self.num_output_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        """End-to-end latency: arrival to finished (``None`` until finished)."""
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
 
 
 @attrs.frozen(kw_only=True)
@@ -137,6 +221,8 @@ class RequestOutput:
         error: A description of the failure when ``finish_reason == "error"``.
         num_cached_tokens: Prompt tokens served from a cache (local or connector).
         failure: Why the step this request was in failed (``finish_reason="error"``).
+        metrics: The request's timings and cache counts so far (``None`` only for an
+            output not made by the scheduler).
     """
 
     request_id: str
@@ -148,3 +234,4 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     failure: StepFailure | None = None
+    metrics: RequestMetrics | None = None

@@ -123,7 +123,9 @@ class StepLog:
             report: The runner's report of the step.
             kind: ``"engine"`` or ``"worker"``: which graph the report is of.
             **fields: Extra values of the step record (batch_size, num_tokens,
-                loaded_tokens, saved_tokens, loaded_bytes, saved_bytes, finished, errors).
+                loaded_tokens, saved_tokens, loaded_bytes, saved_bytes, finished, errors;
+                the engine's ``request_times`` maps each request finished in the step to
+                its ``[arrival, first_scheduled, first_token]`` unix times).
 
         Raises:
             InvalidConfigError: A field uses a reserved key (see ``RESERVED_FIELDS``).

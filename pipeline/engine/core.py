@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Iterable, Sequence
 
 import anyio
@@ -47,6 +48,23 @@ def _uncancel() -> None:
         return
     if task is not None and task.cancelling():
         task.uncancel()
+
+
+def _request_times(outputs: Iterable[RequestOutput]) -> dict[str, list[float | None]]:
+    """``{req_id: [arrival, first_scheduled, first_token]}`` as unix times, for the
+    finished ``outputs`` (the step log's ``request_times``; the trace starts request
+    spans at arrival from it)."""
+    offset = time.time() - time.monotonic()
+    times: dict[str, list[float | None]] = {}
+    for out in outputs:
+        m = out.metrics
+        if not out.finished or m is None:
+            continue
+        times[out.request_id] = [
+            None if t is None else round(t + offset, 6)
+            for t in (m.arrival_time, m.first_scheduled_time, m.first_token_time)
+        ]
+    return times
 
 
 class EngineCore:
@@ -163,9 +181,17 @@ class EngineCore:
         """Return ``params`` if the workers will accept it, or raise ``InvalidRequestError``.
 
         ``SamplingParams`` checks its fields at construction; this also refuses what is
-        not one, or one altered since, so that an admitted request always crosses the wire.
+        not one, or one altered since, so that an admitted request always crosses the wire,
+        and a ``logit_bias`` naming a token outside the model's vocabulary.
         """
-        return check_sendable(params)
+        checked = check_sendable(params)
+        vocab = self.model_config.vocab_size
+        for tok, _ in checked.logit_bias:
+            if tok >= vocab:
+                raise InvalidRequestError(
+                    "logit_bias", tok, f"token ids must be in [0, vocab_size={vocab})"
+                )
+        return checked
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Admit one request (its prompt already validated).
@@ -257,6 +283,7 @@ class EngineCore:
         merged = ctx.maybe(FanInOutput)
         out = ctx.maybe(EngineStepOutput)
         finished = [o.request_id for o in out.outputs if o.finished] if out is not None else []
+        request_times = _request_times(out.outputs) if finished and out is not None else {}
         stats = out.stats if out is not None else None
         self.step_log.record_step(
             ctx.report,
@@ -270,6 +297,7 @@ class EngineCore:
             saved_tokens=stats.saved_tokens if stats else 0,
             saved_bytes=stats.saved_bytes if stats else 0,
             finished=finished,
+            request_times=request_times,
             load_error_blocks=len(merged.invalid_block_ids) if merged is not None else 0,
             failed_save_requests=sorted(merged.failed_save_req_ids) if merged is not None else [],
         )

@@ -261,4 +261,4 @@ def _data(body: dict[str, Any]) -> str:
 
 
 def _count_finished(state: ServerState, out: RequestOutput) -> None:
-    state.metrics.requests.labels(out.finish_reason or "unknown").inc()
+    state.metrics.observe_finished(out)

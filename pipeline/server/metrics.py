@@ -10,10 +10,15 @@ import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pipeline.kernel.report import StepReport
+from pipeline.request import RequestOutput
 
 __all__ = ["LoopLagMonitor", "ServerMetrics"]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_REQUEST_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0,
+)  # fmt: skip
 
 
 class LoopLagMonitor:
@@ -103,6 +108,41 @@ class ServerMetrics:
             ["finish_reason"],
             registry=reg,
         )
+        # Per-request latencies, observed once when a request finishes (observe_finished).
+        self.ttft = Histogram(
+            "kvstep_time_to_first_token_seconds",
+            "Arrival to first generated token, per request",
+            buckets=_REQUEST_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "kvstep_inter_token_latency_seconds",
+            "Mean time between consecutive generated tokens of a request, per request",
+            buckets=_LATENCY_BUCKETS + _REQUEST_BUCKETS[-4:],
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "kvstep_e2e_request_latency_seconds",
+            "Arrival to finish, per request",
+            buckets=_REQUEST_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "kvstep_request_queue_time_seconds",
+            "Arrival to first scheduled step, per request",
+            buckets=_REQUEST_BUCKETS,
+            registry=reg,
+        )
+        self.prefix_queries = Counter(
+            "kvstep_prefix_cache_queries",
+            "Prompt tokens of finished requests (prefix-cache lookups, in tokens)",
+            registry=reg,
+        )
+        self.prefix_hits = Counter(
+            "kvstep_prefix_cache_hits",
+            "Prompt tokens of finished requests served by the local prefix cache",
+            registry=reg,
+        )
         self.loop_lag_max = Gauge(
             "kvstep_event_loop_lag_max_seconds", "Largest event-loop lag seen", registry=reg
         )
@@ -122,6 +162,26 @@ class ServerMetrics:
         self.kv_loaded.inc(int(fields.get("loaded_tokens", 0) or 0))
         self.kv_saved.inc(int(fields.get("saved_tokens", 0) or 0))
         self.batch_tokens.inc(int(fields.get("num_tokens", 0) or 0))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Account a request's last output: its finish reason and, from its metrics,
+        TTFT, mean inter-token latency (one sample per request with two or more
+        tokens), end-to-end latency, queue time and prefix-cache tokens."""
+        self.requests.labels(out.finish_reason or "unknown").inc()
+        m = out.metrics
+        if m is None:
+            return
+        for histogram, value in (
+            (self.ttft, m.ttft_s),
+            (self.itl, m.mean_itl_s),
+            (self.e2e, m.e2e_s),
+            (self.queue_time, m.queue_time_s),
+        ):
+            if value is not None:
+                histogram.observe(max(0.0, value))
+        if m.first_scheduled_time is not None:  # never looked up otherwise
+            self.prefix_queries.inc(len(out.prompt_token_ids))
+            self.prefix_hits.inc(m.num_cached_tokens)
 
     def render(self, *, queue_depth: int, lag: LoopLagMonitor) -> bytes:
         """The Prometheus text exposition, after refreshing the gauges."""

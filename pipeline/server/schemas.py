@@ -3,7 +3,7 @@
 Every known field is type-checked here, before ``SamplingParams`` sees it: a bool is not
 a number, integers must fit in 64 bits, floats must be finite, ``n`` is exactly 1 and
 lists are capped. Fields that would change what is generated but that kvstep does not
-implement yet (``stop``, ``logprobs``, ``echo``, ``best_of``, the penalties, ...) are
+implement yet (``stop``, ``logprobs``, ``echo``, ``best_of``, ...) are
 refused with a 400 naming them, unless they hold their neutral value (``"echo": false``,
 ``"presence_penalty": 0``), which clients often send. Other unknown fields are ignored
 and named in a warning log, never silently.
@@ -12,6 +12,11 @@ Token text convention without a tokenizer: each generated token is written as a 
 followed by its id (``" 17 4 99"``), so the texts of stream chunks concatenate to the
 text of the whole completion; every choice also carries the raw ids in ``token_ids``
 (an extension field, as in vLLM's ``return_token_ids``).
+
+Penalties and biases: ``presence_penalty`` and ``frequency_penalty`` (OpenAI, [-2, 2]),
+``logit_bias`` (OpenAI: an object of token id strings to biases in [-100, 100], at most
+300), and vLLM's extensions ``repetition_penalty`` (> 0), ``min_p`` ([0, 1]) and
+``min_tokens`` ([0, max_tokens]); see :class:`~pipeline.config.SamplingParams`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from pipeline.config import MAX_STOP_TOKEN_IDS, SamplingParams
+from pipeline.config import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 from pipeline.errors import InvalidRequestError
 from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
@@ -33,20 +38,21 @@ __all__ = ["CompletionRequest", "parse_completion_request", "parse_shared_fields
 
 _log = get_logger()
 _INT64 = 2**63
-_INTS = ("max_tokens", "top_k")
-_FLOATS = ("temperature", "top_p")
+_INTS = ("max_tokens", "top_k", "min_tokens")
+_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 _NEUTRAL: dict[str, tuple[object, ...]] = {
     "stop": ("", ()),
     "logprobs": (False, 0),
     "echo": (False,),
     "best_of": (1,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
     "suffix": ("",),
-    "min_tokens": (0,),
-    "min_p": (0,),
     "prompt_logprobs": (False, 0),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
@@ -65,7 +71,7 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 _KNOWN = frozenset(
     {"model", "prompt", "stream", "stream_options", "n", "user", "seed", "ignore_eos"}
-    | {"stop_token_ids", *_INTS, *_FLOATS}
+    | {"stop_token_ids", "logit_bias", *_INTS, *_FLOATS}
 )
 
 
@@ -137,6 +143,8 @@ def parse_shared_fields(
         fields["ignore_eos"] = ignore_eos
     if body.get("stop_token_ids") is not None:
         fields["stop_token_ids"] = _stop_ids(body["stop_token_ids"])
+    if body.get("logit_bias") is not None:
+        fields["logit_bias"] = _logit_bias(body["logit_bias"])
     try:
         params = SamplingParams(**fields)
     except (TypeError, OverflowError) as exc:
@@ -211,6 +219,27 @@ def _stop_ids(value: object) -> list[int]:
                 "stop_token_ids", short_value(tok), "must hold token ids >= 0"
             )
     return value
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: an object of token ids (decimal strings) to numbers."""
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            "logit_bias",
+            short_value(value),
+            f"must be an object of at most {MAX_LOGIT_BIAS} token ids to biases",
+        )
+    bias: dict[int, float] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise InvalidRequestError(
+                "logit_bias", short_value(key), "keys must be token ids (decimal strings)"
+            )
+        tok = int(key)
+        if tok in bias:
+            raise InvalidRequestError("logit_bias", short_value(key), "token id given twice")
+        bias[tok] = _float(f"logit_bias[{tok}]", item)
+    return bias
 
 
 def _stream_options(value: object) -> bool:

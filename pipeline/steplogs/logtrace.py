@@ -9,8 +9,12 @@ The output opens in Perfetto (ui.perfetto.dev) and chrome://tracing. Layout:
 * every stage and step record is a complete event (``"ph": "X"``) with ``ts`` and
   ``dur`` in microseconds since the earliest record;
 * every request is an async slice (``"ph": "b"`` / ``"e"``, ``cat="request"``, ``id``)
-  in the engine process, from the start of the engine step that first scheduled it to
-  the end of the step that finished it (or the end of the log).
+  in the engine process, from the request's arrival to the end of the step that
+  finished it (or the end of the log). Arrival comes from the ``request_times`` field
+  of the engine step record that finished it (``[arrival, first_scheduled,
+  first_token]`` unix times); the begin event's args carry ``queue_s`` (arrival to
+  first scheduled) and ``ttft_s``. A log without ``request_times`` (older kvstep), or
+  a request that never finished, starts at the engine step that first scheduled it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ def trace_events(records: Sequence[Record]) -> list[dict[str, Any]]:
     if not timed:
         return []
     t0 = min(float(r["start_ts"]) for r in timed)
+    for rec in timed:  # a request may arrive before the first step of the log
+        for times in _times_of(rec).values():
+            t0 = min(t0, times[0])
     events: list[dict[str, Any]] = []
     tids: dict[int, dict[str, int]] = {}
 
@@ -94,6 +101,7 @@ def _request_events(records: Sequence[Record], t0: float) -> list[dict[str, Any]
     events: list[dict[str, Any]] = []
     open_ids: dict[str, str] = {}
     uses: dict[str, int] = {}
+    begins: dict[str, dict[str, Any]] = {}
     end = 0.0
     for rec in records:
         if rec.get("event") != "step" or rec.get("kind") != "engine":
@@ -107,14 +115,47 @@ def _request_events(records: Sequence[Record], t0: float) -> list[dict[str, Any]
                 uses[req] = uses.get(req, 0) + 1
                 trace_id = req if uses[req] == 1 else f"{req}#{uses[req]}"
                 open_ids[req] = trace_id
-                events.append(_async("b", trace_id, req, start, rec.get("step_id")))
+                begins[trace_id] = _async("b", trace_id, req, start, rec.get("step_id"))
+                events.append(begins[trace_id])
+        times = _times_of(rec)
         for req in rec.get("finished") or ():
             if str(req) in open_ids:
                 trace_id = open_ids.pop(str(req))
+                begin = begins.pop(trace_id)
+                known = times.get(str(req))
+                if known is not None:
+                    arrival, scheduled, first_token = known
+                    begin["ts"] = _us(min(arrival - t0, begin["ts"] / 1e6))
+                    if scheduled is not None:
+                        begin["args"]["queue_s"] = round(max(0.0, scheduled - arrival), 6)
+                    if first_token is not None:
+                        begin["args"]["ttft_s"] = round(max(0.0, first_token - arrival), 6)
                 events.append(_async("e", trace_id, str(req), stop, rec.get("step_id")))
     for req, trace_id in open_ids.items():
         events.append(_async("e", trace_id, req, end, None))
     return events
+
+
+def _times_of(rec: Record) -> dict[str, tuple[float, float | None, float | None]]:
+    """The well-formed ``request_times`` entries of an engine step record."""
+    raw = rec.get("request_times")
+    if rec.get("event") != "step" or rec.get("kind") != "engine" or not isinstance(raw, dict):
+        return {}
+    times: dict[str, tuple[float, float | None, float | None]] = {}
+    for req, value in raw.items():
+        if not isinstance(value, list | tuple) or len(value) < 3:
+            continue
+        if not all(v is None or isinstance(v, int | float) for v in value[:3]):
+            continue
+        arrival, scheduled, first_token = value[:3]
+        if arrival is None:
+            continue
+        times[str(req)] = (
+            float(arrival),
+            None if scheduled is None else float(scheduled),
+            None if first_token is None else float(first_token),
+        )
+    return times
 
 
 def _async(ph: str, trace_id: str, req: str, ts: float, step_id: Any) -> dict[str, Any]:

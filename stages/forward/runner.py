@@ -100,7 +100,11 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             vocab_size=loaded.config.vocab_size,
         )
-        self._sampler = Sampler(seed=spec.seed, device=self.device)
+        self._sampler = Sampler(
+            seed=spec.seed, device=self.device, eos_token_id=loaded.config.eos_token_id
+        )
+        # Every token so far of the requests whose sampling reads them (penalties).
+        self._histories: dict[str, list[int]] = {}
         self._closed = False
 
     @classmethod
@@ -191,10 +195,12 @@ class ModelRunner:
         if self._closed:
             raise StageError("forward", scheduler_output.step_id, "the model runner is closed")
         self._states.drop(scheduler_output.finished_req_ids)
+        self._drop_histories(scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
             empty = torch.empty(0, self.model_config.vocab_size, device=self.device)
             return ModelOutput(req_ids=(), logits=empty, num_tokens=0)
         self._states.update(scheduler_output)
+        self._track_histories(scheduler_output)
         batch = self._states.prepare(scheduler_output, self.device)
         hooks = None
         if connector is not None:
@@ -218,11 +224,15 @@ class ModelRunner:
             return SampledTokens(token_ids={})
         by_id = {r.req_id: r for r in scheduler_output.requests}
         scheduled = [by_id[req_id] for req_id in model_output.req_ids]
+        histories = None
+        if self._histories:
+            histories = [self._histories.get(r.req_id) for r in scheduled]
         with torch.inference_mode():
             tokens, errors = self._sampler.sample_rows(
                 model_output.logits,
                 [r.sampling for r in scheduled],
                 [r.num_output_tokens for r in scheduled],
+                histories,
             )
         req_ids = model_output.req_ids
         return SampledTokens(
@@ -238,7 +248,29 @@ class ModelRunner:
         For a step that ended before its forward pass. Not thread-safe: never while a
         forward pass runs.
         """
+        req_ids = list(req_ids)
         self._states.drop(req_ids)
+        self._drop_histories(req_ids)
+
+    def _drop_histories(self, req_ids: Iterable[str]) -> None:
+        if self._histories:
+            for req_id in req_ids:
+                self._histories.pop(req_id, None)
+
+    def _track_histories(self, scheduler_output: SchedulerOutput) -> None:
+        """Follow the tokens of the requests with a penalty (``needs_history``).
+
+        A new request starts from its ``prefix_token_ids`` (the cached tokens) and its
+        chunk; later chunks extend it. A new request whose prefix is not the length of
+        its cached context gets no history: its penalty rows fail alone at sampling.
+        """
+        for r in scheduler_output.requests:
+            if r.new:
+                self._histories.pop(r.req_id, None)
+                if r.sampling.needs_history and len(r.prefix_token_ids) == r.num_computed_tokens:
+                    self._histories[r.req_id] = [*r.prefix_token_ids, *r.token_ids]
+            elif r.req_id in self._histories:
+                self._histories[r.req_id].extend(r.token_ids)
 
     def block_table(self, req_id: str) -> tuple[int, ...]:
         """The block table this worker holds for ``req_id`` (KeyError when unknown)."""
@@ -258,5 +290,6 @@ class ModelRunner:
             return
         self._closed = True
         self._states.clear()
+        self._histories.clear()
         self.kv_caches = []
         self.compute.close()

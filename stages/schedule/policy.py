@@ -14,6 +14,7 @@ step can schedule its next token.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import attrs
@@ -106,6 +107,7 @@ def _schedule_waiting(
     scheduled: list[ScheduledRequest],
 ) -> None:
     skipped: list[Request] = []
+    now: float | None = None
     while state.waiting and budget > 0 and len(state.running) < limits.max_num_seqs:
         request = state.waiting[0]
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -120,6 +122,8 @@ def _schedule_waiting(
             skipped.append(state.waiting.popleft())
             continue
         hit = admission.hit
+        if request.num_cached_tokens < 0 and hit.num_computed_tokens:
+            request.num_prefix_cached_tokens = hit.num_computed_tokens
         num_computed = request.num_computed_tokens + hit.num_computed_tokens
         num_computed += admission.num_external
         num_new = 0 if admission.load_async else min(request.num_tokens - num_computed, budget)
@@ -154,6 +158,10 @@ def _schedule_waiting(
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed
+        if request.first_scheduled_time is None:
+            if now is None:  # one clock read per step, only when someone is admitted
+                now = time.monotonic()
+            request.first_scheduled_time = now
         state.running.append(request)
         scheduled.append(_schedule(state, request, num_new))
         budget -= num_new
@@ -215,6 +223,11 @@ def _schedule(state: SchedulerState, request: Request, num_new: int) -> Schedule
         sampling=request.sampling_params,
         sample=start + num_new == request.num_tokens,
         num_output_tokens=request.num_output_tokens,
+        prefix_token_ids=(
+            tuple(request.all_token_ids[:start])
+            if num_sent is None and request.sampling_params.needs_history
+            else ()
+        ),
     )
     state.sent_blocks[req_id] = len(block_ids)
     request.num_computed_tokens = start + num_new

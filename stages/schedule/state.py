@@ -10,6 +10,7 @@ blocks in exactly one place. Owned by one scheduler; not thread-safe, never bloc
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import attrs
@@ -36,6 +37,7 @@ def make_output(request: Request, new_token_ids: tuple[int, ...]) -> RequestOutp
         finish_reason=request.status.finish_reason,
         error=request.error,
         num_cached_tokens=max(0, request.num_cached_tokens),
+        metrics=request.metrics,
     )
 
 
@@ -93,6 +95,7 @@ class SchedulerState:
         was_running = request.status == RequestStatus.RUNNING
         request.status = status
         request.error = error
+        request.finished_time = time.monotonic()
         if was_running:
             self.running.remove(request)
         else:

@@ -15,6 +15,8 @@ are logged at debug level and dropped.
 
 from __future__ import annotations
 
+import time
+
 import attrs
 
 from connectors.base import KVConnectorOutput
@@ -72,6 +74,7 @@ def apply_output(
     :class:`RequestOutput` per request that got a token or finished."""
     outputs: list[RequestOutput] = []
     discarded = _handle_load_errors(state, scheduler_output, output, policy, outputs)
+    now: float | None = None
     for item in scheduler_output.requests:
         req_id = item.req_id
         request = state.requests.get(req_id)
@@ -95,6 +98,11 @@ def apply_output(
             outputs.append(make_output(request, ()))
             continue
         token = int(token)
+        if now is None:  # one clock read per step
+            now = time.monotonic()
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
         request.append_output_token(token)
         state.hasher.update(request)
         status = check_stop(request, policy.max_model_len)

@@ -34,6 +34,7 @@ FIELDS = [
     "prompt", "model", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed",
     "ignore_eos", "stop_token_ids", "n", "user", "stream_options", "stop", "logprobs",
     "echo", "best_of", "presence_penalty", "logit_bias", "suffix", "x_unknown",
+    "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
 ]  # fmt: skip
 ODD_LITERALS = [
     "1" + "0" * 400, "-1" + "0" * 30, "NaN", "Infinity", "-Infinity", "1e400", "-0.0",

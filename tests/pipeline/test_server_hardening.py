@@ -180,7 +180,12 @@ class TestBodies:
             ({"logprobs": 2}, "logprobs"),
             ({"echo": True}, "echo"),
             ({"best_of": 3}, "best_of"),
-            ({"presence_penalty": 0.5}, "presence_penalty"),
+            ({"presence_penalty": 2.5}, "presence_penalty"),
+            ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
+            ({"logit_bias": {"x": 1}}, "logit_bias"),
+            ({"min_tokens": 17}, "min_tokens"),
+            ({"repetition_penalty": 0}, "repetition_penalty"),
+            ({"min_p": True}, "min_p"),
             ({"stream_options": {"\ud800": 1}}, "stream_options.\\ud800"),
         ],
     )
@@ -201,6 +206,25 @@ class TestBodies:
         async with client_for(create_app(config)) as client:
             resp = await client.post("/v1/completions", json=_body(**neutral, x_custom=1))
         assert resp.status_code == 200
+
+    @pytest.mark.anyio
+    async def test_penalty_fields_are_served(self, config: EngineConfig) -> None:
+        """Issue 12: penalties, min_p, min_tokens and logit_bias (string ids) are applied."""
+        fields = {
+            "presence_penalty": 1.5,
+            "frequency_penalty": 0.5,
+            "repetition_penalty": 1.3,
+            "min_p": 0.1,
+            "min_tokens": 2,
+            "logit_bias": {"7": 100},
+        }
+        async with client_for(create_app(config)) as client:
+            resp = await client.post("/v1/completions", json=_body(**fields))
+            assert resp.status_code == 200
+            assert resp.json()["choices"][0]["token_ids"][0] == 7  # +100 wins
+            resp = await client.post("/v1/completions", json=_body(logit_bias={"99999999": 1}))
+            assert resp.status_code == 400
+            assert resp.json()["error"]["param"] == "logit_bias"
 
     @pytest.mark.anyio
     async def test_text_prompt_refused_before_encoding(
