@@ -1,8 +1,8 @@
-"""Engine configuration and per-request sampling parameters.
+"""Engine configuration (and, re-exported from :mod:`pipeline.sampling_params`, the
+per-request sampling parameters).
 
-Both are frozen attrs classes validated at construction: a bad value raises
-:class:`~pipeline.errors.InvalidConfigError` (engine) or
-:class:`~pipeline.errors.InvalidRequestError` (request) naming the field, a short repr
+:class:`EngineConfig` is a frozen attrs class validated at construction: a bad value
+raises :class:`~pipeline.errors.InvalidConfigError` naming the field, a short repr
 of the value and what is allowed. Every field is type-checked (a ``bool`` is never
 taken for a number, nor a string for a ``bool``), numbers must be finite and in a
 64-bit range, and what passes is exactly what the engine↔worker wire
@@ -11,24 +11,27 @@ taken for a number, nor a string for a ``bool``), numbers must be finite and in 
 
 from __future__ import annotations
 
-import itertools
 import os
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from pipeline.checks import (
-    INT64_MAX,
-    INT64_MIN,
     SECRET_KEY,
     check_float,
     check_int,
     check_plain,
     redact,
 )
-from pipeline.errors import InvalidConfigError, InvalidRequestError
+from pipeline.errors import InvalidConfigError
+from pipeline.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKENS_LIMIT,
+    SAMPLING_EPS,
+    SamplingParams,
+)
 
 __all__ = [
     "DTYPES",
@@ -45,21 +48,6 @@ __all__ = [
 EXECUTORS = ("inprocess", "multiproc", "ray")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
-
-#: A temperature below this samples greedily (vLLM's ``_SAMPLING_EPS``): dividing
-#: logits by a smaller one overflows to inf and the softmax to NaN.
-SAMPLING_EPS = 1e-5
-#: Largest ``max_tokens`` (and ``top_k``) a request may ask for (int32).
-MAX_TOKENS_LIMIT = (1 << 31) - 1
-#: Most ``stop_token_ids`` one request may name.
-MAX_STOP_TOKEN_IDS = 1024
-_MAX_TOKEN_ID = (1 << 31) - 1
-#: Most ``logit_bias`` entries one request may give (OpenAI allows 300).
-MAX_LOGIT_BIAS = 300
-#: Bound of each ``logit_bias`` value (OpenAI: [-100, 100]).
-LOGIT_BIAS_LIMIT = 100.0
-#: Bound of ``presence_penalty`` and ``frequency_penalty`` (OpenAI: [-2, 2]).
-PENALTY_LIMIT = 2.0
 
 
 def _positive(inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
@@ -231,178 +219,3 @@ def config_values(config: EngineConfig, spec: type[Any], **renamed: str) -> dict
         field.name: getattr(config, renamed.get(field.name, field.name))
         for field in attrs.fields(spec)
     }
-
-
-def _stop_token_ids(values: Iterable[int]) -> frozenset[int]:
-    """The stop tokens as a set; at most :data:`MAX_STOP_TOKEN_IDS` token ids, read
-    lazily so that a huge iterable is refused without being materialised."""
-    what = "stop_token_ids"
-    allowed = f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids"
-    if isinstance(values, str | bytes | bytearray | Mapping) or not isinstance(values, Iterable):
-        raise InvalidRequestError(what, values, allowed)
-    items = list(itertools.islice(values, MAX_STOP_TOKEN_IDS + 1))
-    if len(items) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(what, values, allowed)
-    return frozenset(
-        check_int(f"{what}[{i}]", tok, InvalidRequestError, lo=0, hi=_MAX_TOKEN_ID)
-        for i, tok in enumerate(items)
-    )
-
-
-def _logit_bias(values: object) -> tuple[tuple[int, float], ...]:
-    """The bias as ``(token id, bias)`` pairs sorted by token id (what the wire carries):
-    from a mapping token id → bias or an iterable of pairs; at most
-    :data:`MAX_LOGIT_BIAS` entries, ids in ``[0, 2**31)``, biases finite in [-100, 100],
-    no id twice."""
-    what = "logit_bias"
-    allowed = (
-        f"must map at most {MAX_LOGIT_BIAS} token ids to biases in "
-        f"[{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
-    )
-    if isinstance(values, Mapping):
-        if len(values) > MAX_LOGIT_BIAS:
-            raise InvalidRequestError(what, f"<{len(values)} entries>", allowed)
-        items: list[Any] = list(values.items())
-    elif isinstance(values, str | bytes | bytearray) or not isinstance(values, Iterable):
-        raise InvalidRequestError(what, values, allowed)
-    else:
-        items = list(itertools.islice(values, MAX_LOGIT_BIAS + 1))
-        if len(items) > MAX_LOGIT_BIAS:
-            raise InvalidRequestError(what, f"<more than {MAX_LOGIT_BIAS} entries>", allowed)
-    pairs: dict[int, float] = {}
-    for item in items:
-        if not isinstance(item, tuple | list) or len(item) != 2:
-            raise InvalidRequestError(what, item, "entries must be (token id, bias) pairs")
-        tok = check_int(f"{what} token id", item[0], InvalidRequestError, lo=0, hi=_MAX_TOKEN_ID)
-        if tok in pairs:
-            raise InvalidRequestError(f"{what}[{tok}]", item[1], "token id given twice")
-        pairs[tok] = check_float(
-            f"{what}[{tok}]",
-            item[1],
-            InvalidRequestError,
-            lo=-LOGIT_BIAS_LIMIT,
-            hi=LOGIT_BIAS_LIMIT,
-        )
-    return tuple(sorted(pairs.items()))
-
-
-@attrs.frozen(kw_only=True)
-class SamplingParams:
-    """How one request samples and when it stops; checked strictly at construction.
-
-    Everything that passes crosses the engine↔worker wire unchanged: integers are real
-    ``int`` (a ``bool`` is refused) in the ranges below, floats are stored as finite
-    builtin ``float`` (an ``int`` is accepted and converted; one too large for a float is
-    refused), so that no later ``float()`` or encode can fail for one request.
-
-    Attributes:
-        max_tokens: Most tokens to generate, in ``[1, MAX_TOKENS_LIMIT]``.
-        temperature: Finite, >= 0; below :data:`SAMPLING_EPS` means greedy (argmax);
-            otherwise logits are divided by it.
-        top_p: Nucleus sampling mass in (0, 1].
-        top_k: Keep the k most likely tokens; 0 or -1 keeps all; at most
-            ``MAX_TOKENS_LIMIT``.
-        seed: Per-request seed, a signed 64-bit integer, or ``None``: the same seed gives
-            the same tokens whatever the batch.
-        stop_token_ids: Tokens that end the request (the stop token is kept in output):
-            at most :data:`MAX_STOP_TOKEN_IDS` ids in ``[0, 2**31)``, kept as a set.
-        ignore_eos: Do not stop at the model's end-of-sequence token (a ``bool``).
-        presence_penalty: In [-2, 2] (OpenAI): subtracted once from the logit of every
-            token already generated (output tokens only).
-        frequency_penalty: In [-2, 2] (OpenAI): subtracted from a token's logit once per
-            time it was generated (output tokens only).
-        repetition_penalty: Finite, > 0; 1 is off (vLLM, CTRL): the positive logits of
-            tokens in the prompt or the output are divided by it, the negative ones
-            multiplied by it.
-        min_p: In [0, 1] (vLLM): after temperature, tokens whose probability is below
-            ``min_p`` times the most likely token's are dropped (0 is off).
-        logit_bias: Token id → bias in [-100, 100] added to its logit before the
-            penalties (OpenAI); at most :data:`MAX_LOGIT_BIAS` entries. A mapping or
-            pairs are accepted; stored as ``(id, bias)`` pairs sorted by id. An id
-            outside the model's vocabulary fails the request when it is sampled.
-        min_tokens: In [0, max_tokens] (vLLM): until this many tokens are generated the
-            end-of-sequence token (unless ``ignore_eos``) and ``stop_token_ids`` cannot
-            be sampled.
-
-    Logits are adjusted as vLLM's sampler does, in this order: ``min_tokens`` masking,
-    ``logit_bias``, repetition, frequency and presence penalties; then temperature,
-    ``min_p``, top-k and top-p.
-
-    Raises:
-        InvalidRequestError: A field of another type or out of range; the message names
-            the field and what is allowed.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_stop_token_ids)
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
-    min_tokens: int = 0
-
-    def __attrs_post_init__(self) -> None:
-        error = InvalidRequestError
-        max_tokens = check_int("max_tokens", self.max_tokens, error, lo=1, hi=MAX_TOKENS_LIMIT)
-        normalised: dict[str, object] = {
-            "max_tokens": max_tokens,
-            "temperature": check_float(
-                "temperature", self.temperature, error, lo=0.0, hi=float("inf")
-            ),
-            "top_p": check_float("top_p", self.top_p, error, lo=0.0, hi=1.0, lo_open=True),
-        }
-        top_k = check_int("top_k", self.top_k, error, lo=-1, hi=MAX_TOKENS_LIMIT)
-        normalised["top_k"] = top_k
-        for name in ("presence_penalty", "frequency_penalty"):
-            normalised[name] = check_float(
-                name, getattr(self, name), error, lo=-PENALTY_LIMIT, hi=PENALTY_LIMIT
-            )
-        normalised["repetition_penalty"] = check_float(
-            "repetition_penalty",
-            self.repetition_penalty,
-            error,
-            lo=0.0,
-            hi=float("inf"),
-            lo_open=True,
-        )
-        normalised["min_p"] = check_float("min_p", self.min_p, error, lo=0.0, hi=1.0)
-        normalised["min_tokens"] = check_int(
-            "min_tokens", self.min_tokens, error, lo=0, hi=max_tokens
-        )
-        if not isinstance(self.logit_bias, tuple):  # decoded, not converted
-            raise error("logit_bias", self.logit_bias, "must be (token id, bias) pairs")
-        if self.logit_bias:  # a decoded value was not converted: check it again
-            normalised["logit_bias"] = _logit_bias(self.logit_bias)
-        if self.seed is not None:
-            normalised["seed"] = check_int("seed", self.seed, error, lo=INT64_MIN, hi=INT64_MAX)
-        if not isinstance(self.ignore_eos, bool):
-            raise error("ignore_eos", self.ignore_eos, "must be true or false (a bool)")
-        if not isinstance(self.stop_token_ids, frozenset):  # decoded, not converted
-            raise error("stop_token_ids", self.stop_token_ids, "must be a set of token ids")
-        for name, value in normalised.items():
-            object.__setattr__(self, name, value)
-
-    @property
-    def greedy(self) -> bool:
-        """Whether sampling reduces to argmax (temperature below ``SAMPLING_EPS`` or top_k 1)."""
-        return self.temperature < SAMPLING_EPS or self.top_k == 1
-
-    @property
-    def needs_history(self) -> bool:
-        """Whether sampling reads the request's earlier tokens (a penalty is on)."""
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether the logits are changed before temperature (penalties, bias, min_tokens)."""
-        return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
