@@ -74,7 +74,7 @@ def _to_stdlib(level: int, event: str, fields: dict[str, Any], exc_info: bool = 
         level,
         _render(event, data),
         exc_info=exc_info,
-        stacklevel=3,  # the caller of KvstepLogger's method
+        stacklevel=4,  # the caller of KvstepLogger's method (through _emit)
         extra={"kvstep": {"event": event, **data}},
     )
 
@@ -88,34 +88,27 @@ class KvstepLogger:
         self._log = structlog.get_logger(LOGGER_NAME)
 
     def debug(self, event: str, **fields: Any) -> None:
-        if _is_configured():
-            self._log.debug(event, **fields)
-        elif _STD.isEnabledFor(logging.DEBUG):
-            _to_stdlib(logging.DEBUG, event, fields)
+        self._emit(logging.DEBUG, "debug", event, fields)
 
     def info(self, event: str, **fields: Any) -> None:
-        if _is_configured():
-            self._log.info(event, **fields)
-        elif _STD.isEnabledFor(logging.INFO):
-            _to_stdlib(logging.INFO, event, fields)
+        self._emit(logging.INFO, "info", event, fields)
 
     def warning(self, event: str, **fields: Any) -> None:
-        if _is_configured():
-            self._log.warning(event, **fields)
-        elif _STD.isEnabledFor(logging.WARNING):
-            _to_stdlib(logging.WARNING, event, fields)
+        self._emit(logging.WARNING, "warning", event, fields)
 
     def error(self, event: str, **fields: Any) -> None:
-        if _is_configured():
-            self._log.error(event, **fields)
-        elif _STD.isEnabledFor(logging.ERROR):
-            _to_stdlib(logging.ERROR, event, fields)
+        self._emit(logging.ERROR, "error", event, fields)
 
     def exception(self, event: str, **fields: Any) -> None:
+        self._emit(logging.ERROR, "exception", event, fields, exc_info=True)
+
+    def _emit(
+        self, level: int, method: str, event: str, fields: dict[str, Any], exc_info: bool = False
+    ) -> None:
         if _is_configured():
-            self._log.exception(event, **fields)
-        elif _STD.isEnabledFor(logging.ERROR):
-            _to_stdlib(logging.ERROR, event, fields, exc_info=True)
+            getattr(self._log, method)(event, **fields)
+        elif _STD.isEnabledFor(level):
+            _to_stdlib(level, event, fields, exc_info)
 
 
 def get_logger() -> KvstepLogger:
