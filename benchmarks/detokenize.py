@@ -2,7 +2,7 @@
 
 The server streams one chunk per generated token. The old ``Detokenizer`` decoded the
 request's whole output on every chunk (O(n) per chunk, O(n²) per stream); the new one
-(``pipeline.server.detokenize.Detokenizer``) decodes a bounded window (O(1) per chunk).
+(``pipeline.detokenize.Detokenizer``) decodes a bounded window (O(1) per chunk).
 Both run over the same random token stream, with a real ``tokenizers`` byte-level BPE
 trained here (no download), and must produce the same text. Reports the total ms per
 stream, µs per token and the speed-up for each stream length.
@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.server.detokenize import Detokenizer
+from pipeline.detokenize import Detokenizer
 from pipeline.tokenizer import Tokenizer
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "detokenize.json"

@@ -55,6 +55,7 @@ from pipeline.kernel import (
     is_finalizer,
     stage,
 )
+from pipeline.logprobs import MAX_LOGPROBS, TokenLogprob
 from pipeline.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from pipeline.steplog import StepLog, bind_step
 
@@ -80,6 +81,7 @@ __all__ = [
     "KvstepError",
     "LLM",
     "LoadStarted",
+    "MAX_LOGPROBS",
     "MetadataBound",
     "ModelLoadError",
     "ModelOutput",
@@ -103,6 +105,7 @@ __all__ = [
     "StepGraph",
     "StepLog",
     "StepReport",
+    "TokenLogprob",
     "TransportError",
     "UnknownConnectorError",
     "WorkerDiedError",

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from pipeline.config import SamplingParams
+from pipeline.logprobs import TokenLogprob
 from pipeline.request import RequestOutput
 
 __all__ = [
@@ -54,6 +55,12 @@ class ScheduledRequest:
             tokens (a penalty, ``SamplingParams.needs_history``): the tokens before
             ``num_computed_tokens`` (whose KV came from a cache), so that the worker
             knows the whole sequence. Empty otherwise.
+        prompt_logprob_targets: When the request still needs prompt logprobs
+            (``SamplingParams.prompt_logprobs``): the target of each prompt position of
+            this chunk that has one, from the first: position ``p`` scores prompt token
+            ``p + 1``, so these are the prompt tokens after ``num_computed_tokens``, up
+            to the chunk's end + 1 (the next chunk's first token) and at most to the
+            prompt's end. Empty otherwise.
     """
 
     req_id: str
@@ -65,6 +72,7 @@ class ScheduledRequest:
     sample: bool
     num_output_tokens: int
     prefix_token_ids: tuple[int, ...] = ()
+    prompt_logprob_targets: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -114,11 +122,19 @@ class LoadStarted:
 
 @attrs.frozen(kw_only=True)
 class ModelOutput:
-    """Logits of the rows to sample, in the order of ``req_ids``."""
+    """Logits of the rows to sample, in the order of ``req_ids``.
+
+    ``prompt_logits`` holds the raw logits of the prompt positions whose logprobs a
+    request asked for (``ScheduledRequest.prompt_logprob_targets``): for each request
+    of ``prompt_req_ids`` in order, ``len(prompt_logprob_targets)`` rows. ``None``
+    when no request of the step asked.
+    """
 
     req_ids: tuple[str, ...]
     logits: Any  # torch.Tensor [len(req_ids), vocab]; Any keeps this module torch-free
     num_tokens: int = 0
+    prompt_req_ids: tuple[str, ...] = ()
+    prompt_logits: Any = None  # torch.Tensor [rows, vocab] or None
 
 
 @attrs.frozen(kw_only=True)
@@ -129,10 +145,16 @@ class SampledTokens:
         token_ids: Request id → its sampled token.
         errors: Request id → why its row could not be sampled (it has no token and
             fails alone, ``finish_reason="error"``).
+        logprobs: Request id → the logprob of its sampled token, for the requests
+            that set ``SamplingParams.logprobs``.
+        prompt_logprobs: Request id → the logprobs of this chunk's prompt targets
+            (one per ``ScheduledRequest.prompt_logprob_targets``), in order.
     """
 
     token_ids: dict[str, int] = attrs.field(factory=dict)
     errors: dict[str, str] = attrs.field(factory=dict)
+    logprobs: dict[str, TokenLogprob] = attrs.field(factory=dict)
+    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -193,6 +215,9 @@ class WorkerOutput:
         request_errors: Requests that failed alone on this rank this step (a row that
             could not be sampled), with why; the engine ends each with ``"error"``.
         stats: Connector traffic of this step on this rank.
+        logprobs: Logprob of each sampled token whose request asked (driver only).
+        prompt_logprobs: Logprobs of each request's prompt targets this step
+            (``SampledTokens.prompt_logprobs``; driver only).
     """
 
     rank: int
@@ -204,6 +229,8 @@ class WorkerOutput:
     failed_save_req_ids: frozenset[str] = frozenset()
     request_errors: dict[str, str] = attrs.field(factory=dict)
     stats: KVStats = attrs.field(factory=KVStats)
+    logprobs: dict[str, TokenLogprob] = attrs.field(factory=dict)
+    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -244,6 +271,8 @@ class FanInOutput:
             reason when several ranks name a request).
         stats: Connector traffic of this step, merged over ranks (bytes summed, tokens once).
         num_ranks: How many ranks' outputs were merged.
+        logprobs: Logprobs of the sampled tokens (from the driver rank 0).
+        prompt_logprobs: Logprobs of the prompt targets (from the driver rank 0).
     """
 
     step_id: int
@@ -258,6 +287,8 @@ class FanInOutput:
     request_errors: dict[str, str] = attrs.field(factory=dict)
     stats: KVStats = attrs.field(factory=KVStats)
     num_ranks: int = 1
+    logprobs: dict[str, TokenLogprob] = attrs.field(factory=dict)
+    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)

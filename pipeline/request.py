@@ -9,6 +9,7 @@ import attrs
 
 from pipeline.config import SamplingParams
 from pipeline.errors import StepFailure
+from pipeline.logprobs import TokenLogprob
 
 __all__ = ["FINISH_REASONS", "Request", "RequestMetrics", "RequestOutput", "RequestStatus"]
 
@@ -64,12 +65,14 @@ class Request:
         "first_token_time",
         "kv_transfer_params",
         "last_token_time",
+        "logprobs",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_external_computed_tokens",
         "num_preemptions",
         "num_prefix_cached_tokens",
         "num_prompt_tokens",
+        "prompt_logprobs",
         "request_id",
         "sampling_params",
         "status",
@@ -103,6 +106,16 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.error: str | None = None
         self.kv_transfer_params: dict[str, object] | None = None
+        # One entry per output token when ``sampling_params.logprobs`` is set.
+        self.logprobs: list[TokenLogprob] | None = None if sampling_params.logprobs is None else []
+        # When ``sampling_params.prompt_logprobs`` is set: entry i belongs to prompt
+        # token i (entry 0 is always ``None``); a list filled as the prompt's chunks
+        # compute, then a tuple (shared by every output) once complete.
+        self.prompt_logprobs: list[TokenLogprob | None] | tuple[TokenLogprob | None, ...] | None
+        if sampling_params.prompt_logprobs is None:
+            self.prompt_logprobs = None
+        else:
+            self.prompt_logprobs = [None] if self.num_prompt_tokens > 1 else (None,)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -123,6 +136,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the request asked for prompt logprobs and some are still missing."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl) < self.num_prompt_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
@@ -223,6 +242,21 @@ class RequestOutput:
         failure: Why the step this request was in failed (``finish_reason="error"``).
         metrics: The request's timings and cache counts so far (``None`` only for an
             output not made by the scheduler).
+        text: The text emitted so far, cumulative (the incremental detokenization of
+            ``token_ids``, less what is held back while it may begin a stop string, and
+            less a stop token's or, by default, a stop string's text at the end);
+            ``None`` when the engine has no tokenizer or ``detokenize`` is off.
+        new_text: What this output adds to ``text`` (never retracted later).
+        stop_reason: The stop string, or the ``stop_token_ids`` token id, that ended
+            the request; ``None`` for EOS, length, abort and error (vLLM's
+            ``CompletionOutput.stop_reason``).
+        logprobs: When the request set ``SamplingParams.logprobs``: one entry per token
+            of ``token_ids`` (cumulative), else ``None``.
+        prompt_logprobs: When the request set ``SamplingParams.prompt_logprobs``: one
+            entry per prompt token, the first ``None`` (nothing precedes it), then the
+            logprob of prompt token i given the tokens before it; present on every
+            output once the whole prompt was computed, ``None`` before (and on the
+            final output of a request that failed before that).
     """
 
     request_id: str
@@ -235,3 +269,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     failure: StepFailure | None = None
     metrics: RequestMetrics | None = None
+    text: str | None = None
+    new_text: str = ""
+    stop_reason: str | int | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

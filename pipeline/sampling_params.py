@@ -17,10 +17,13 @@ import attrs
 
 from pipeline.checks import INT64_MAX, INT64_MIN, check_float, check_int
 from pipeline.errors import InvalidRequestError
+from pipeline.logprobs import MAX_LOGPROBS
 
 __all__ = [
     "LOGIT_BIAS_LIMIT",
     "MAX_LOGIT_BIAS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
     "MAX_STOP_TOKEN_IDS",
     "MAX_TOKENS_LIMIT",
     "PENALTY_LIMIT",
@@ -36,6 +39,10 @@ MAX_TOKENS_LIMIT = (1 << 31) - 1
 #: Most ``stop_token_ids`` one request may name.
 MAX_STOP_TOKEN_IDS = 1024
 _MAX_TOKEN_ID = (1 << 31) - 1
+#: Most ``stop`` strings one request may give.
+MAX_STOP_STRINGS = 16
+#: Longest ``stop`` string, in characters.
+MAX_STOP_STRING_CHARS = 512
 #: Most ``logit_bias`` entries one request may give (OpenAI allows 300).
 MAX_LOGIT_BIAS = 300
 #: Bound of each ``logit_bias`` value (OpenAI: [-100, 100]).
@@ -58,6 +65,36 @@ def _stop_token_ids(values: Iterable[int]) -> frozenset[int]:
         check_int(f"{what}[{i}]", tok, InvalidRequestError, lo=0, hi=_MAX_TOKEN_ID)
         for i, tok in enumerate(items)
     )
+
+
+def _stop(values: object) -> tuple[str, ...]:
+    """The stop strings as a tuple: one string or an iterable of at most
+    :data:`MAX_STOP_STRINGS` non-empty strings of at most :data:`MAX_STOP_STRING_CHARS`
+    characters each, read lazily so that a huge iterable is refused without being
+    materialised."""
+    what = "stop"
+    allowed = (
+        f"must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
+        f"of at most {MAX_STOP_STRING_CHARS} characters"
+    )
+    if isinstance(values, str):
+        values = (values,)
+    if isinstance(values, bytes | bytearray | Mapping) or not isinstance(values, Iterable):
+        raise InvalidRequestError(what, values, allowed)
+    items = list(itertools.islice(values, MAX_STOP_STRINGS + 1))
+    if len(items) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(what, f"<more than {MAX_STOP_STRINGS} strings>", allowed)
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or not 0 < len(item) <= MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(f"{what}[{i}]", item, allowed)
+        if not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError(
+                    f"{what}[{i}]", item, "must be valid Unicode (no lone surrogates)"
+                ) from None
+    return tuple(str(item) for item in items)
 
 
 def _logit_bias(values: object) -> tuple[tuple[int, float], ...]:
@@ -134,6 +171,26 @@ class SamplingParams:
         min_tokens: In [0, max_tokens] (vLLM): until this many tokens are generated the
             end-of-sequence token (unless ``ignore_eos``) and ``stop_token_ids`` cannot
             be sampled.
+        stop: Strings that end the request when the output text contains one (vLLM):
+            a string or at most :data:`MAX_STOP_STRINGS` non-empty strings of at most
+            :data:`MAX_STOP_STRING_CHARS` characters, stored as a tuple. Matched on the
+            detokenized text once more than ``min_tokens`` tokens were generated; the
+            earliest match wins. Needs a tokenizer and ``detokenize``.
+        include_stop_str_in_output: Keep the matched stop string at the end of the
+            text (default: the text ends just before it). A ``bool``.
+        detokenize: Whether the engine makes ``RequestOutput.text`` (a ``bool``;
+            ``False`` with ``stop`` strings is refused).
+        logprobs: ``None`` (default) or an int in ``[0, MAX_LOGPROBS]``: each
+            generated token comes with its logprob and rank (0), plus the ``k`` most
+            likely alternatives (``k``), in ``RequestOutput.logprobs``.
+        prompt_logprobs: ``None`` (default) or an int in ``[0, MAX_LOGPROBS]``: the
+            logprob of every prompt token given the tokens before it, plus the ``k``
+            most likely alternatives, in ``RequestOutput.prompt_logprobs``. Such a
+            request computes its whole prompt: no prefix-cache hits, no connector loads.
+
+    Logprobs follow vLLM V1's default: ``log_softmax`` of the model's **raw** logits,
+    in float32, before ``logit_bias``, the penalties, temperature, ``min_p``, top-k
+    and top-p (what is reported is the model's distribution, not the sampler's).
 
     Logits are adjusted as vLLM's sampler does, in this order: ``min_tokens`` masking,
     ``logit_bias``, repetition, frequency and presence penalties; then temperature,
@@ -157,6 +214,11 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
     min_tokens: int = 0
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop)
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __attrs_post_init__(self) -> None:
         error = InvalidRequestError
@@ -186,14 +248,25 @@ class SamplingParams:
         normalised["min_tokens"] = check_int(
             "min_tokens", self.min_tokens, error, lo=0, hi=max_tokens
         )
+        for name in ("logprobs", "prompt_logprobs"):
+            normalised[name] = check_int(
+                name, getattr(self, name), error, lo=0, hi=MAX_LOGPROBS, optional=True
+            )
         if not isinstance(self.logit_bias, tuple):  # decoded, not converted
             raise error("logit_bias", self.logit_bias, "must be (token id, bias) pairs")
         if self.logit_bias:  # a decoded value was not converted: check it again
             normalised["logit_bias"] = _logit_bias(self.logit_bias)
         if self.seed is not None:
             normalised["seed"] = check_int("seed", self.seed, error, lo=INT64_MIN, hi=INT64_MAX)
-        if not isinstance(self.ignore_eos, bool):
-            raise error("ignore_eos", self.ignore_eos, "must be true or false (a bool)")
+        for flag in ("ignore_eos", "include_stop_str_in_output", "detokenize"):
+            if not isinstance(getattr(self, flag), bool):
+                raise error(flag, getattr(self, flag), "must be true or false (a bool)")
+        if not isinstance(self.stop, tuple):  # decoded, not converted
+            raise error("stop", self.stop, "must be a list of strings")
+        if self.stop:  # a decoded value was not converted: check it again
+            normalised["stop"] = _stop(self.stop)
+            if not self.detokenize:
+                raise error("stop", self.stop, "stop strings need detokenize=true")
         if not isinstance(self.stop_token_ids, frozenset):  # decoded, not converted
             raise error("stop_token_ids", self.stop_token_ids, "must be a set of token ids")
         for name, value in normalised.items():

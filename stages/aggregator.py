@@ -1,13 +1,13 @@
 """The fan-in aggregator: merges one step's ``WorkerOutput`` of every rank.
 
-Merging is associative and order-free: sampled tokens come from the driver rank (0),
-load-error block ids, failed saves and per-request errors are unioned, stats are
-merged (bytes summed, tokens counted once: every rank moves the same tokens). A request's
-``finished_sending`` / ``finished_recving`` is released to the scheduler only once
-**every** rank has reported it, possibly in different steps. Unlike vLLM's
-``KVOutputAggregator``, which counts occurrences, the aggregator keeps the *set* of ranks
-per request, so a rank reporting twice counts once and can never stand in for a rank
-that is silent.
+Merging is associative and order-free: sampled tokens, their logprobs and prompt
+logprobs come from the driver rank (0), load-error block ids, failed saves and
+per-request errors are unioned, stats are merged (bytes summed, tokens counted once:
+every rank moves the same tokens). A request's ``finished_sending`` /
+``finished_recving`` is released to the scheduler only once **every** rank has reported
+it, possibly in different steps. Unlike vLLM's ``KVOutputAggregator``, which counts
+occurrences, the aggregator keeps the *set* of ranks per request, so a rank reporting
+twice counts once and can never stand in for a rank that is silent.
 
 Each pending entry has a **lease**, started by the first rank's report: ``lease_steps``
 engine steps and/or ``lease_s`` seconds. An entry still incomplete when its lease runs
@@ -117,6 +117,7 @@ class FanInAggregator:
         now = time.monotonic() if now is None else now
         self._step = step_id
         sampled: dict[str, int] = {}
+        driver: WorkerOutput | None = None
         invalid: set[int] = set()
         failed_saves: set[str] = set()
         errors: dict[str, tuple[int, str]] = {}
@@ -127,6 +128,7 @@ class FanInAggregator:
             count += 1
             if out.rank == 0:
                 sampled.update(out.sampled_token_ids)
+                driver = out
             invalid |= out.invalid_block_ids
             failed_saves |= out.failed_save_req_ids
             for req_id, reason in out.request_errors.items():
@@ -151,6 +153,8 @@ class FanInAggregator:
             request_errors={req_id: reason for req_id, (_, reason) in errors.items()},
             stats=stats,
             num_ranks=count,
+            logprobs={} if driver is None else dict(driver.logprobs),
+            prompt_logprobs={} if driver is None else dict(driver.prompt_logprobs),
         )
 
     def record(

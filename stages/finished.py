@@ -44,6 +44,8 @@ class FinishedStage:
                 sampled_token_ids=sampled,
                 failed_save_req_ids=failed_saves,
                 request_errors=samples.errors,
+                logprobs=samples.logprobs,
+                prompt_logprobs=samples.prompt_logprobs,
             )
         finished = await self.connector.get_finished(scheduler_output.finished_req_ids)
         loaded_tokens, loaded_bytes, saved_tokens, saved_bytes = self.connector.get_kv_stats()
@@ -56,6 +58,8 @@ class FinishedStage:
             invalid_block_ids=frozenset(self.connector.get_block_ids_with_load_errors()),
             failed_save_req_ids=failed_saves,
             request_errors=samples.errors,
+            logprobs=samples.logprobs,
+            prompt_logprobs=samples.prompt_logprobs,
             stats=KVStats(
                 loaded_tokens=loaded_tokens,
                 loaded_bytes=loaded_bytes,

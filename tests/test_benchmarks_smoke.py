@@ -17,6 +17,20 @@ TINY_ARGS = {
     "detokenize.py": ["--lengths", "50", "--repeats", "1"],
     "layer_overlap.py": ["--prefix-len", "64", "--new-len", "8", "--repeats", "1"],
     "kv_reuse.py": ["--prompts", "1", "--prompt-len", "64"],
+    "serve.py": [
+        "--num-requests",
+        "6",
+        "--request-rate",
+        "20",
+        "--warmup",
+        "1",
+        "--prefix-words",
+        "8,16",
+        "--suffix-words",
+        "2,8",
+        "--output-tokens",
+        "4,8",
+    ],
     "throughput.py": [
         "--prompts",
         "2",
@@ -48,6 +62,24 @@ TINY_ARGS = {
 }
 
 
+def _check_serve(result: dict) -> None:
+    """Every request completed, and each metric has both sides' p50/p99 compared."""
+    assert result["completed"] == result["num_requests"] == 6
+    assert result["output_tokens_total"] == result["output_tokens_expected"]
+    assert sum(result["server_finished"].values()) == 6
+    assert [m["metric"] for m in result["metrics"]] == ["TTFT", "TPOT", "ITL", "E2E"]
+    for metric in result["metrics"]:
+        for tag in ("p50", "p99"):
+            assert metric[f"client_{tag}_s"] > 0
+            assert metric[f"server_{tag}_s"] > 0
+            assert isinstance(metric[f"{tag}_rel_diff"], float)
+            assert isinstance(metric[f"{tag}_ok"], bool)
+    assert isinstance(result["all_ok"], bool)
+
+
+CHECKS = {"serve.py": _check_serve}
+
+
 def test_every_benchmark_is_covered() -> None:
     """Each script in benchmarks/ has a tiny-size invocation here (``_*`` are helpers)."""
     scripts = {p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")}
@@ -57,7 +89,8 @@ def test_every_benchmark_is_covered() -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("script", sorted(TINY_ARGS))
 def test_benchmark_runs_and_writes_json(script: str, tmp_path: Path) -> None:
-    """The script exits 0, prints its table and writes a JSON object."""
+    """The script exits 0, prints its table and writes a JSON object (checked further
+    where CHECKS has a check for it)."""
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *TINY_ARGS[script], "--json", str(out)],
@@ -69,3 +102,5 @@ def test_benchmark_runs_and_writes_json(script: str, tmp_path: Path) -> None:
     assert proc.stdout.strip()
     result = json.loads(out.read_text())
     assert isinstance(result, dict) and result
+    if script in CHECKS:
+        CHECKS[script](result)

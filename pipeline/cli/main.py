@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--trace", type=Path, default=None, help="Chrome trace-event JSON")
     logs.add_argument("--plot", type=Path, default=None, help="PNG stage timeline")
     logs.add_argument(
-        "--steps", default=None, help="only steps A:B (A: or :B open) in the summary and plot"
+        "--steps",
+        default=None,
+        help="only steps A:B (A: or :B open) in the summary, trace and plot",
     )
 
     serve = sub.add_parser("serve", help="OpenAI-compatible server (kvstep[server])")
@@ -172,7 +174,7 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     steps = parse_steps(args.steps)
     print_summary(records, steps=steps)
     if args.trace is not None:
-        n = write_trace(records, args.trace)
+        n = write_trace(records, args.trace, steps=steps)
         print(f"trace: {args.trace} ({n} events)")
     if args.plot is not None:
         write_plot(records, args.plot, steps=steps)

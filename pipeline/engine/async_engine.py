@@ -198,7 +198,9 @@ class AsyncEngine:
         """Admit one request; iterate the result for its outputs.
 
         ``prompt`` is one prompt: a string (needs a tokenizer) or a sequence of token ids;
-        a list of prompts is refused (call ``generate`` once per prompt).
+        a list of prompts is refused (call ``generate`` once per prompt). Each output's
+        ``new_text`` extends its ``text`` (never retracted: text that may begin a stop
+        string is held back until it cannot), when the engine has a tokenizer.
 
         Raises at once (before anything is queued): ``InvalidRequestError`` for a bad
         prompt or parameters (a ``dict`` where ``SamplingParams`` is expected),

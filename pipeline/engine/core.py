@@ -12,11 +12,13 @@ import time
 from collections.abc import Iterable, Sequence
 
 import anyio
+import attrs
 
 from connectors.base import KVConnectorRole, KVConnectorScheduler
 from connectors.registry import create_connector, get_connector
 from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
 from pipeline.config import EngineConfig, SamplingParams
+from pipeline.engine.output_text import OutputText
 from pipeline.errors import EngineDeadError, InvalidRequestError, StepCancelledError
 from pipeline.executors.backends import start_executor
 from pipeline.executors.protocol import Executor
@@ -116,6 +118,7 @@ class EngineCore:
         except BaseException:
             self._abandon()
             raise
+        self.output_text = OutputText(self.tokenizer, self.scheduler.stop_requests)
         self.aggregator = FanInAggregator(config.world_size, lease_s=config.transfer_lease_s)
         self.engine_graph = apply_graph(
             engine_graph,
@@ -182,9 +185,10 @@ class EngineCore:
 
         ``SamplingParams`` checks its fields at construction; this also refuses what is
         not one, or one altered since, so that an admitted request always crosses the wire,
-        and a ``logit_bias`` naming a token outside the model's vocabulary.
+        and a ``logit_bias`` naming a token outside the model's vocabulary, and
+        ``stop`` strings when the engine has no tokenizer.
         """
-        checked = check_sendable(params)
+        checked = self.output_text.check(check_sendable(params))
         vocab = self.model_config.vocab_size
         for tok, _ in checked.logit_bias:
             if tok >= vocab:
@@ -205,11 +209,12 @@ class EngineCore:
         if isinstance(eos, list | tuple):
             eos = eos[0] if eos else None
         self.scheduler.add_request(Request(request_id, prompt, params, eos_token_id=eos))
+        self.output_text.add(request_id, params)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         aborted = self.scheduler.abort_requests(request_ids)
         self.aggregator.forget(out.request_id for out in aborted)
-        return aborted
+        return list(self.output_text.process(aborted))
 
     def has_work(self) -> bool:
         """Whether a step would make progress: requests left, delayed frees, transfers
@@ -263,9 +268,17 @@ class EngineCore:
                 if ctx.error is None:  # the body succeeded; only finalizers failed
                     _log.error("step_finalizers_failed", step_id=ctx.step_id, error=repr(exc))
             finally:
+                self._add_text(ctx)
                 if ctx.report is not None:
                     self._log_step(ctx)
         return ctx.get(EngineStepOutput)
+
+    def _add_text(self, ctx: StepContext) -> None:
+        """Give the step's outputs their text, and stop the requests whose stop string
+        matched (:class:`~pipeline.engine.output_text.OutputText`)."""
+        out = ctx.maybe(EngineStepOutput)
+        if out is not None:
+            ctx.put(attrs.evolve(out, outputs=self.output_text.process(out.outputs)))
 
     def _raise_if_dead(self) -> None:
         # The executor's recorded failure only: has_work() polls the workers (the loop
@@ -309,6 +322,7 @@ class EngineCore:
         report = dict(self.scheduler.leak_report())
         report["fan_in_pending"] = self.aggregator.num_pending
         report["bound_metadata"] = self.executor.bound_metadata()
+        report["text_trackers"] = len(self.output_text)
         return report
 
     async def aclose(self) -> None:

@@ -82,6 +82,10 @@ class LLM:
         ``"hi"`` one, ``["a", "b"]`` two. The result is always a list, one output per
         prompt (a single prompt gives a list of one).
 
+        Each result is the request's final output: its ``token_ids`` and, when the
+        engine has a tokenizer and ``detokenize`` is on, its ``text`` (a ``stop``
+        string ends it with ``finish_reason="stop"`` and ``stop_reason``).
+
         A request that fails ends with ``finish_reason="error"``; the others complete.
         Bad input raises before any prompt is queued.
 

@@ -8,31 +8,32 @@ then encoded like a text prompt and generated like a completion; the sampling fi
 the model check, disconnect handling and error shapes are the completions endpoint's.
 A message's ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts
 (joined with newlines, as vLLM does).
+
+``n`` choices are ``n`` requests of the one prompt (see :mod:`pipeline.server.fanin`); a
+stream starts with each choice's role chunk. ``logprobs: true`` (with ``top_logprobs``
+alternatives) gives each choice ``logprobs.content``; vLLM's ``prompt_logprobs``
+(non-streaming only) is a field of the response, as in vLLM.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
-from pipeline.engine.async_engine import RequestStream
-from pipeline.errors import EngineDeadError, InvalidRequestError
-from pipeline.logs import get_logger
+from pipeline.errors import InvalidRequestError
 from pipeline.request import RequestOutput
-from pipeline.server.body import CLIENT_CLOSED, read_body
-from pipeline.server.completions import _count_finished
-from pipeline.server.detokenize import Detokenizer, decode_ids_text
-from pipeline.server.errors import error_body, request_id
+from pipeline.server.body import read_body
+from pipeline.server.choices import Choice, chat_body, usage
+from pipeline.server.completions import model_not_found
+from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
+from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
 from pipeline.server.prompts import fit_max_tokens
-from pipeline.server.schemas import parse_shared_fields, usage
+from pipeline.server.schemas import SharedFields, parse_shared_fields
 
 if TYPE_CHECKING:
     import jinja2
@@ -41,9 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["chat_completions", "render_chat"]
 
-_log = get_logger()
 ROLES = ("system", "user", "assistant")
-_CHAT_FIELDS = frozenset({"messages"})
 MAX_MESSAGES = 1024
 
 
@@ -57,73 +56,59 @@ async def chat_completions(request: Request) -> Response:
         raise InvalidRequestError("body", type(body).__name__, "must be a JSON object")
     _check_max_completion_tokens(body)
     messages = parse_messages(body.get("messages"))
-    model, params, stream_, include_usage = parse_shared_fields(body, extra_known=_CHAT_FIELDS)
-    if model is not None and model != state.model_name:
-        message = f"model {model[:80]!r} is not served; the served model is {state.model_name!r}"
-        return JSONResponse(
-            error_body(message, "not_found_error", "model_not_found", "model"), status_code=404
-        )
+    fields = parse_shared_fields(body, endpoint="chat")
+    if fields.model is not None and fields.model != state.model_name:
+        return model_not_found(state, fields.model)
     text = render_chat(state.tokenizer, messages)
     prompt = await state.encoder.encode(text)
-    given = body.get("max_tokens") is not None
-    params = fit_max_tokens(params, len(prompt), state.max_model_len, given=given)
-    stream = state.running_engine().generate(prompt, params)
-    if stream_:
-        return _ChatStream(state, stream, include_usage=include_usage)
-    return await _collect_unless_gone(request, state, stream)
-
-
-class _ChatStream(StreamingResponse):
-    """The SSE response; however it ends (done, client gone before the first chunk,
-    an error), an unfinished request is counted as aborted and aborted."""
-
-    def __init__(self, state: ServerState, stream: RequestStream, *, include_usage: bool):
-        self._state, self._stream = state, stream
-        events = _sse(state, stream, include_usage=include_usage)
-        super().__init__(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    params = fit_max_tokens(
+        fields.params, len(prompt), state.max_model_len, given=fields.max_tokens_given
+    )
+    n = fields.n
+    streams = await admit(state.running_engine(), [prompt] * n, copy_params(params, n))
+    texts = TokenTexts(state.tokenizer)
+    choices = [Choice(i, texts, logprobs=fields.logprobs) for i in range(n)]
+    rid = streams[0].request_id
+    if fields.stream:
+        return FanInStream(state, streams, functools.partial(_render, state, rid, choices, fields))
+    finals = await collect_unless_gone(request, state, streams)
+    if isinstance(finals, Response):
+        return finals
+    bodies = [choice.chat(out, whole=True) for choice, out in zip(choices, finals, strict=True)]
+    reply = chat_body(rid, state.model_name, bodies, usage_=usage(finals, n))
+    if fields.prompt_logprobs is not None:  # vLLM: one prompt, so a field of the response
+        reply["prompt_logprobs"] = prompt_logprobs_json(
+            finals[0].prompt_token_ids, finals[0].prompt_logprobs, texts
         )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self._stream.finished:
-                self._state.metrics.requests.labels("abort").inc()
-            await self._stream.aclose()
+    return JSONResponse(reply)
 
 
-async def _collect_unless_gone(
-    request: Request, state: ServerState, stream: RequestStream
-) -> Response:
-    """Collect the reply; abort the request if the client disconnects meanwhile."""
-    result: list[Response] = []
-    failed: list[Exception] = []
+async def _render(
+    state: ServerState,
+    rid: str,
+    choices: list[Choice],
+    fields: SharedFields,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[str]:
+    """Chunks: each choice's role first, then content deltas (the last with the finish
+    reason), the usage chunk if asked, ``[DONE]``."""
+    created = int(time.time())
 
-    async def watch_disconnect(scope: anyio.CancelScope) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        scope.cancel()
+    def event(chunk: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> str:
+        return sse(chat_body(rid, state.model_name, chunk, created, chunk=True, usage_=usage_))
 
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_disconnect, tg.cancel_scope)
-            try:
-                result.append(await _collect(state, stream))
-            except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
-                failed.append(exc)
-            tg.cancel_scope.cancel()
-    finally:
-        await stream.aclose()  # aborts the request if it has not finished
-    if failed:
-        raise failed[0]
-    if not result:  # cancelled by the watcher
-        _log.info(
-            "client_disconnected", request_id=request_id(request), engine_request=stream.request_id
-        )
-        state.metrics.requests.labels("abort").inc()
-        return Response(status_code=CLIENT_CLOSED)
-    return result[0]
+    for choice in choices:
+        delta = {"role": "assistant", "content": ""}
+        first = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}
+        yield event([first])
+    finals: dict[int, RequestOutput] = {}
+    async for index, out in outputs:
+        if out.finished:
+            finals[index] = out
+        yield event([choices[index].chat(out)])
+    if fields.include_usage and len(finals) == len(choices):
+        yield event([], usage([finals[i] for i in range(len(choices))], fields.n))
+    yield "data: [DONE]\n\n"
 
 
 def _check_max_completion_tokens(body: dict[Any, Any]) -> None:
@@ -220,81 +205,3 @@ def _raise_exception(message: str) -> NoReturn:
     import jinja2
 
     raise jinja2.TemplateError(message)
-
-
-def chat_body(
-    request_id: str, model: str, choice: dict[str, Any], created: int | None = None, *,
-    chunk: bool = False, usage_: dict[str, int] | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """An OpenAI ``chat.completion`` (or ``chat.completion.chunk``) object."""
-    body: dict[str, Any] = {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion.chunk" if chunk else "chat.completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model,
-        "choices": [{"index": 0, "logprobs": None, **choice}] if choice else [],
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
-
-
-async def _collect(state: ServerState, stream: RequestStream) -> Response:
-    last: RequestOutput | None = None
-    try:
-        async for out in stream:
-            last = out
-    finally:
-        await stream.aclose()
-    if last is None:
-        raise EngineDeadError("the engine ended the request without output")
-    _count_finished(state, last)
-    if state.tokenizer is None:
-        text = decode_ids_text(last.token_ids)
-    else:
-        text = state.tokenizer.decode(list(last.token_ids), skip_special_tokens=True)
-    choice = {
-        "message": {"role": "assistant", "content": text},
-        "finish_reason": last.finish_reason,
-        "token_ids": list(last.token_ids),
-    }
-    return JSONResponse(chat_body(stream.request_id, state.model_name, choice, usage_=usage(last)))
-
-
-async def _sse(
-    state: ServerState, stream: RequestStream, *, include_usage: bool
-) -> AsyncIterator[str]:
-    """Chunks: the role first, then content deltas, the finish reason, usage, ``[DONE]``
-    (:class:`_ChatStream` aborts the request if they stop early)."""
-    detok = Detokenizer(state.tokenizer)
-    created = int(time.time())
-
-    def event(choice: dict[str, Any], usage_: dict[str, int] | None = None) -> str:
-        body = chat_body(
-            stream.request_id, state.model_name, choice, created, chunk=True, usage_=usage_
-        )
-        return f"data: {json.dumps(body)}\n\n"
-
-    try:
-        yield event({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        async for out in stream:
-            if not out.new_token_ids and not out.finished:
-                continue
-            if out.finished:
-                _count_finished(state, out)
-            choice = {
-                "delta": {"content": detok.delta(out)},
-                "finish_reason": out.finish_reason if out.finished else None,
-                "token_ids": list(out.new_token_ids),
-            }
-            yield event(choice)
-            if out.finished and include_usage:
-                yield event({}, usage(out))
-        yield "data: [DONE]\n\n"
-    except EngineDeadError as exc:
-        _log.error(
-            "stream_failed_engine_unavailable", engine_request=stream.request_id, error=str(exc)
-        )
-        message = f"the engine is unavailable (request {stream.request_id})"
-        body = error_body(message, "service_unavailable_error", "engine_unavailable")
-        yield f"data: {json.dumps(body)}\n\n"

@@ -1,17 +1,23 @@
-"""OpenAI completions: strict request parsing and response bodies (plain JSON dicts).
+"""OpenAI (chat) completions: strict request parsing into :class:`SharedFields`.
 
-Every known field is type-checked here, before ``SamplingParams`` sees it: a bool is not
-a number, integers must fit in 64 bits, floats must be finite, ``n`` is exactly 1 and
-lists are capped. Fields that would change what is generated but that kvstep does not
-implement yet (``stop``, ``logprobs``, ``echo``, ``best_of``, ...) are
-refused with a 400 naming them, unless they hold their neutral value (``"echo": false``,
-``"presence_penalty": 0``), which clients often send. Other unknown fields are ignored
-and named in a warning log, never silently.
+Every known field is type-checked here (see :mod:`pipeline.server.fields`), before
+``SamplingParams`` sees it: a bool is not a number, integers must fit in 64 bits, floats
+must be finite and lists are capped. Both endpoints take:
 
-Token text convention without a tokenizer: each generated token is written as a space
-followed by its id (``" 17 4 99"``), so the texts of stream chunks concatenate to the
-text of the whole completion; every choice also carries the raw ids in ``token_ids``
-(an extension field, as in vLLM's ``return_token_ids``).
+- ``n`` (1 to :data:`~pipeline.server.fields.MAX_N` choices per prompt; a completions
+  request's prompts times ``n`` at most :data:`~pipeline.server.prompts.MAX_PROMPTS`)
+  and ``best_of`` (only ``null`` or ``n``: kvstep samples no extra candidates);
+- ``stop`` (a string or at most 16 strings; needs a tokenizer) and vLLM's
+  ``include_stop_str_in_output``; each choice reports vLLM's ``stop_reason``;
+- vLLM's ``prompt_logprobs`` (0 to 20 alternatives per prompt token).
+
+Completions also take ``echo`` and ``logprobs`` (OpenAI caps it at 5; kvstep allows
+0 to 20, as vLLM); chat takes ``logprobs`` (true or false) and ``top_logprobs`` (0 to 20,
+only with ``logprobs`` true). Fields that would change what is generated but that kvstep
+does not implement (``suffix``, ``use_beam_search``, guided decoding, chat's ``echo``,
+...) are refused with a 400 naming them, unless they hold their neutral value
+(``"suffix": ""``, ``"echo": false``), which clients often send. Other unknown fields
+are ignored and named in a warning log, never silently.
 
 Penalties and biases: ``presence_penalty`` and ``frequency_penalty`` (OpenAI, [-2, 2]),
 ``logit_bias`` (OpenAI: an object of token id strings to biases in [-100, 100], at most
@@ -21,23 +27,20 @@ Penalties and biases: ``presence_penalty`` and ``frequency_penalty`` (OpenAI, [-
 
 from __future__ import annotations
 
-import math
-import time
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
-from pipeline.config import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
+from pipeline.config import SamplingParams
 from pipeline.errors import InvalidRequestError
 from pipeline.logs import get_logger
-from pipeline.request import RequestOutput
+from pipeline.server import fields as f
 from pipeline.server.errors import UnsupportedFieldError, short_value
-from pipeline.server.prompts import parse_prompts
+from pipeline.server.prompts import MAX_PROMPTS, Prompt, parse_prompts
 
-__all__ = ["CompletionRequest", "parse_completion_request", "parse_shared_fields"]
+__all__ = ["CompletionRequest", "SharedFields", "parse_completion_request", "parse_shared_fields"]
 
 _log = get_logger()
-_INT64 = 2**63
 _INTS = ("max_tokens", "top_k", "min_tokens")
 _FLOATS = (
     "temperature",
@@ -48,13 +51,8 @@ _FLOATS = (
     "repetition_penalty",
 )
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "stop": ("", ()),
-    "logprobs": (False, 0),
-    "echo": (False,),
-    "best_of": (1,),
+    "echo": (False,),  # chat (completions implements it)
     "suffix": ("",),
-    "prompt_logprobs": (False, 0),
-    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
@@ -70,21 +68,51 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "kv_transfer_params": (),
 }
 _KNOWN = frozenset(
-    {"model", "prompt", "stream", "stream_options", "n", "user", "seed", "ignore_eos"}
-    | {"stop_token_ids", "logit_bias", *_INTS, *_FLOATS}
+    {"model", "stream", "stream_options", "n", "best_of", "user", "seed", "ignore_eos"}
+    | {"stop", "include_stop_str_in_output", "prompt_logprobs", "stop_token_ids"}
+    | {"logit_bias", "logprobs", *_INTS, *_FLOATS}
 )
+_ENDPOINT_KNOWN = {
+    "completions": frozenset({"prompt", "echo"}),
+    "chat": frozenset({"messages", "top_logprobs"}),
+}
+_INT64 = f.INT64
+
+
+@attrs.frozen(kw_only=True)
+class SharedFields:
+    """The fields completions and chat completions share, validated.
+
+    Attributes:
+        model: The requested model, or ``None``.
+        params: The sampling parameters of the first choice (copy ``i`` of a prompt uses
+            ``seed + i``, see :func:`pipeline.server.fanin.copy_params`).
+        stream: Whether to answer with server-sent events.
+        include_usage: ``stream_options.include_usage``.
+        n: Choices per prompt.
+        max_tokens_given: Whether the body named ``max_tokens``.
+        logprobs: Alternatives to show per generated token, or ``None``: no logprobs.
+        prompt_logprobs: vLLM's ``prompt_logprobs`` as asked (``None``: not shown).
+        echo: Completions' ``echo`` (always false for chat).
+    """
+
+    model: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool = False
+    n: int = 1
+    max_tokens_given: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False
 
 
 @attrs.frozen(kw_only=True)
 class CompletionRequest:
-    """A validated ``POST /v1/completions`` body."""
+    """A validated ``POST /v1/completions`` body: its prompts and the shared fields."""
 
-    model: str | None
-    prompts: tuple[list[int] | str, ...]
-    params: SamplingParams
-    stream: bool
-    include_usage: bool = False
-    max_tokens_given: bool = False
+    prompts: tuple[Prompt, ...]
+    fields: SharedFields
 
 
 def parse_completion_request(body: object, *, max_prompt_tokens: int) -> CompletionRequest:
@@ -97,59 +125,89 @@ def parse_completion_request(body: object, *, max_prompt_tokens: int) -> Complet
     """
     if not isinstance(body, dict):
         raise InvalidRequestError("body", type(body).__name__, "must be a JSON object")
-    _refuse_unsupported(body)
+    shared = parse_shared_fields(body, endpoint="completions")
     prompts = parse_prompts(body.get("prompt"), max_prompt_tokens)
-    model, params, stream, include_usage = parse_shared_fields(body)
-    return CompletionRequest(
-        model=model,
-        prompts=prompts,
-        params=params,
-        stream=stream,
-        include_usage=include_usage,
-        max_tokens_given=body.get("max_tokens") is not None,
-    )
+    if len(prompts) * shared.n > MAX_PROMPTS:
+        raise InvalidRequestError(
+            "n",
+            shared.n,
+            f"times the {len(prompts)} prompts gives {len(prompts) * shared.n} choices; "
+            f"at most {MAX_PROMPTS} are served per request",
+        )
+    return CompletionRequest(prompts=prompts, fields=shared)
 
 
 def parse_shared_fields(
-    body: dict[Any, Any], *, extra_known: frozenset[str] | None = None
-) -> tuple[str | None, SamplingParams, bool, bool]:
-    """The fields completions and chat completions share, checked strictly.
-
-    Returns ``(model, params, stream, include_usage)``; raises ``InvalidRequestError``
-    naming the bad field (``n``, ``model``, ``user``, ``stream``, ``stream_options``,
-    the sampling fields). With ``extra_known`` (the endpoint's own fields), the body's
-    field names are checked first: unsupported ones refused, unknown ones logged.
-    """
-    if extra_known is not None:
-        _refuse_unsupported(body, extra_known)
-    n = body.get("n")
-    if n is not None and (type(n) is not int or n != 1):
-        raise InvalidRequestError("n", short_value(n), "only n=1 is supported")
-    model = _optional(body, "model", str, "a string")
-    _optional(body, "user", str, "a string")
-    stream = _optional(body, "stream", bool, "true or false") or False
-    include_usage = _stream_options(body.get("stream_options"))
+    body: dict[Any, Any], *, endpoint: Literal["completions", "chat"]
+) -> SharedFields:
+    """The fields both endpoints take, checked strictly (the endpoint decides what
+    ``logprobs`` means); raises ``InvalidRequestError`` naming the bad field. The body's
+    field names are checked first: unsupported ones refused, unknown ones logged."""
+    _refuse_unsupported(body, _ENDPOINT_KNOWN[endpoint])
+    n = f.choices_n(body.get("n"))
+    f.best_of(body.get("best_of"), n)
+    model = f.optional(body, "model", str, "a string")
+    f.optional(body, "user", str, "a string")
+    stream = f.optional(body, "stream", bool, "true or false") or False
+    include_usage = f.stream_options(body.get("stream_options"))
     fields: dict[str, Any] = {}
     for name in _INTS:
         if body.get(name) is not None:
-            fields[name] = _int(name, body[name], -_INT64, _INT64)
+            fields[name] = f.integer(name, body[name], -_INT64, _INT64)
     for name in _FLOATS:
         if body.get(name) is not None:
-            fields[name] = _float(name, body[name])
+            fields[name] = f.finite(name, body[name])
     if body.get("seed") is not None:
-        fields["seed"] = _int("seed", body["seed"], -_INT64, 2 * _INT64)
-    ignore_eos = _optional(body, "ignore_eos", bool, "true or false")
-    if ignore_eos is not None:
-        fields["ignore_eos"] = ignore_eos
+        fields["seed"] = f.integer("seed", body["seed"], -_INT64, 2 * _INT64)
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        flag = f.optional(body, name, bool, "true or false")
+        if flag is not None:
+            fields[name] = flag
+    if body.get("stop") is not None and (stop := f.stop_strings(body["stop"])):
+        fields["stop"] = stop
     if body.get("stop_token_ids") is not None:
-        fields["stop_token_ids"] = _stop_ids(body["stop_token_ids"])
+        fields["stop_token_ids"] = f.stop_ids(body["stop_token_ids"])
     if body.get("logit_bias") is not None:
-        fields["logit_bias"] = _logit_bias(body["logit_bias"])
+        fields["logit_bias"] = f.logit_bias(body["logit_bias"])
+    echo = endpoint == "completions" and bool(f.optional(body, "echo", bool, "true or false"))
+    logprobs = _logprobs(body, endpoint)
+    prompt_logprobs = f.count("prompt_logprobs", body.get("prompt_logprobs"))
+    if prompt_logprobs is not None and stream:
+        raise InvalidRequestError(
+            "prompt_logprobs", prompt_logprobs, "is not available when stream is true (as vLLM)"
+        )
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
+    if prompt_logprobs is not None or (echo and logprobs is not None):
+        # vLLM: echo with logprobs shows the prompt's tokens' logprobs first.
+        fields["prompt_logprobs"] = logprobs if prompt_logprobs is None else prompt_logprobs
     try:
         params = SamplingParams(**fields)
     except (TypeError, OverflowError) as exc:
         raise InvalidRequestError("sampling parameters", "...", str(exc)) from exc
-    return model, params, stream, include_usage
+    return SharedFields(
+        model=model,
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        n=n,
+        max_tokens_given=body.get("max_tokens") is not None,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        echo=echo,
+    )
+
+
+def _logprobs(body: dict[Any, Any], endpoint: str) -> int | None:
+    """Alternatives per token: completions' ``logprobs`` count, or chat's ``logprobs``
+    flag with ``top_logprobs`` (which needs ``logprobs`` true, as OpenAI and vLLM)."""
+    if endpoint == "completions":
+        return f.count("logprobs", body.get("logprobs"))
+    wanted = f.optional(body, "logprobs", bool, "true or false")
+    top = f.count("top_logprobs", body.get("top_logprobs"))
+    if top is not None and not wanted:
+        raise InvalidRequestError("top_logprobs", top, "needs logprobs set to true")
+    return (top or 0) if wanted else None
 
 
 def _refuse_unsupported(body: dict[Any, Any], extra_known: frozenset[str] = frozenset()) -> None:
@@ -161,7 +219,7 @@ def _refuse_unsupported(body: dict[Any, Any], extra_known: frozenset[str] = froz
             if not _is_neutral(value, _NEUTRAL[key]):
                 raise UnsupportedFieldError(key, short_value(value))
         else:
-            ignored.append(_name(key))
+            ignored.append(f.field_name(key))
     if ignored:
         _log.warning("request_fields_ignored", fields=sorted(ignored)[:20], count=len(ignored))
 
@@ -181,125 +239,3 @@ def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
         elif type(value) is type(ok) and value == ok:
             return True
     return False
-
-
-def _optional(body: dict[Any, Any], name: str, kind: type, what: str) -> Any:
-    value = body.get(name)
-    if value is not None and type(value) is not kind:
-        raise InvalidRequestError(name, short_value(value), f"must be {what}")
-    return value
-
-
-def _int(name: str, value: object, low: int, high: int) -> int:
-    if type(value) is not int or not low <= value < high:
-        raise InvalidRequestError(
-            name, short_value(value), f"must be an integer in [{low}, {high})"
-        )
-    return value
-
-
-def _float(name: str, value: object) -> float:
-    if type(value) is int and abs(value) < _INT64:
-        return float(value)
-    if type(value) is not float or not math.isfinite(value):
-        raise InvalidRequestError(name, short_value(value), "must be a finite number")
-    return value
-
-
-def _stop_ids(value: object) -> list[int]:
-    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(
-            "stop_token_ids",
-            short_value(value),
-            f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
-        )
-    for tok in value:
-        if type(tok) is not int or not 0 <= tok < _INT64:
-            raise InvalidRequestError(
-                "stop_token_ids", short_value(tok), "must hold token ids >= 0"
-            )
-    return value
-
-
-def _logit_bias(value: object) -> dict[int, float]:
-    """OpenAI's ``logit_bias``: an object of token ids (decimal strings) to numbers."""
-    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
-        raise InvalidRequestError(
-            "logit_bias",
-            short_value(value),
-            f"must be an object of at most {MAX_LOGIT_BIAS} token ids to biases",
-        )
-    bias: dict[int, float] = {}
-    for key, item in value.items():
-        if not isinstance(key, str) or not (key.isascii() and key.isdigit()) or len(key) > 10:
-            raise InvalidRequestError(
-                "logit_bias", short_value(key), "keys must be token ids (decimal strings)"
-            )
-        tok = int(key)
-        if tok in bias:
-            raise InvalidRequestError("logit_bias", short_value(key), "token id given twice")
-        bias[tok] = _float(f"logit_bias[{tok}]", item)
-    return bias
-
-
-def _stream_options(value: object) -> bool:
-    if value is None:
-        return False  # OpenAI: usage only when stream_options.include_usage is true
-    if not isinstance(value, dict):
-        raise InvalidRequestError("stream_options", short_value(value), "must be an object")
-    for key, option in value.items():
-        if key != "include_usage":
-            raise UnsupportedFieldError(f"stream_options.{_name(key)}", short_value(option))
-        if option is not None and type(option) is not bool:
-            raise InvalidRequestError(
-                "stream_options.include_usage", short_value(option), "must be true or false"
-            )
-    return value.get("include_usage") is True
-
-
-def _name(key: str) -> str:
-    """A field name fit for a message, a log line and JSON (no lone surrogates)."""
-    return key[:64].encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def usage(*outs: RequestOutput) -> dict[str, int]:
-    """OpenAI ``usage`` of requests' (last) outputs, summed over a batch's prompts."""
-    prompt = sum(len(out.prompt_token_ids) for out in outs)
-    completion = sum(len(out.token_ids) for out in outs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def completion_body(
-    request_id: str,
-    model: str,
-    text: str,
-    token_ids: list[int] | tuple[int, ...],
-    finish_reason: str | None,
-    usage_: dict[str, int] | None,
-    created: int | None = None,
-    *,
-    index: int = 0,
-) -> dict[str, Any]:
-    """An OpenAI ``text_completion`` object (or one stream chunk of it), one choice."""
-    body: dict[str, Any] = {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model,
-        "choices": [
-            {
-                "index": index,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "token_ids": list(token_ids),
-            }
-        ],
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body

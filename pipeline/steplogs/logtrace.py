@@ -24,6 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import InvalidConfigError
+from pipeline.steplogs.logplot import select_steps
+
 __all__ = ["ENGINE_PID", "trace_events", "write_trace"]
 
 ENGINE_PID = 1_000_000
@@ -163,11 +166,28 @@ def _async(ph: str, trace_id: str, req: str, ts: float, step_id: Any) -> dict[st
             "pid": ENGINE_PID, "tid": 0, "ts": _us(ts), "args": {"step_id": step_id}}  # fmt: skip
 
 
-def write_trace(records: Sequence[Record], path: str | Path) -> int:
+def write_trace(
+    records: Sequence[Record],
+    path: str | Path,
+    *,
+    steps: tuple[int | None, int | None] = (None, None),
+) -> int:
     """Write the trace of ``records`` as ``{"traceEvents": [...]}`` JSON; return #events.
 
+    ``steps`` (``A:B`` as :func:`~pipeline.steplogs.logplot.parse_steps` returns it)
+    keeps only the records of those steps, as the summary and the plot do: a request
+    whose finishing step is outside the range ends at the range's last step.
     Blocks on the file write; creates parent folders.
+
+    Raises:
+        InvalidConfigError: ``steps`` selects no record of the log.
     """
+    if steps != (None, None):
+        selected = select_steps(records, steps)
+        if not selected:
+            first, stop = steps
+            raise InvalidConfigError("--steps", f"{first}:{stop}", "selects no record of the log")
+        records = selected
     events = trace_events(records)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,12 +32,18 @@ class BatchInputs:
         sample_rows: ``[N]`` rows whose logits are sampled (last row of each chunk that
             samples), in batch order.
         sample_req_ids: The requests of those rows.
+        prompt_rows: ``[R]`` rows whose prompt logprobs are asked for (for each request
+            of ``prompt_req_ids``, the first ``len(prompt_logprob_targets)`` rows of its
+            chunk), or ``None`` when no request asked.
+        prompt_req_ids: The requests of those rows, in order.
     """
 
     input_ids: torch.Tensor
     attn_meta: AttentionMetadata
     sample_rows: torch.Tensor
     sample_req_ids: tuple[str, ...]
+    prompt_rows: torch.Tensor | None = None
+    prompt_req_ids: tuple[str, ...] = ()
 
 
 class RequestStates:
@@ -105,6 +111,16 @@ class RequestStates:
             raise InvalidRequestError(
                 "token_id", bad, f"{r.req_id}: must be in [0, vocab_size={self.vocab_size})"
             )
+        targets = r.prompt_logprob_targets
+        if targets and (
+            len(targets) > len(r.token_ids)
+            or not 0 <= min(targets) <= max(targets) < self.vocab_size
+        ):
+            raise InvalidRequestError(
+                "prompt_logprob_targets",
+                targets,
+                f"{r.req_id}: at most {len(r.token_ids)} token ids in [0, {self.vocab_size})",
+            )
         end = r.num_computed_tokens + len(r.token_ids)
         if r.num_computed_tokens < 0 or end > self.max_model_len:
             raise InvalidRequestError(
@@ -146,9 +162,22 @@ class RequestStates:
         )
         ends = np.cumsum(query_lens) - 1
         sampled = [i for i, r in enumerate(requests) if r.sample]
+        prompt = [i for i, r in enumerate(requests) if r.prompt_logprob_targets]
+        prompt_rows = None
+        if prompt:
+            starts = ends - np.asarray(query_lens) + 1
+            rows = np.concatenate(
+                [
+                    np.arange(starts[i], starts[i] + len(requests[i].prompt_logprob_targets))
+                    for i in prompt
+                ]
+            )
+            prompt_rows = torch.from_numpy(rows).to(device)
         return BatchInputs(
             input_ids=torch.from_numpy(ids).to(device),
             attn_meta=meta,
             sample_rows=torch.from_numpy(ends[sampled]).to(device),
             sample_req_ids=tuple(requests[i].req_id for i in sampled),
+            prompt_rows=prompt_rows,
+            prompt_req_ids=tuple(requests[i].req_id for i in prompt),
         )

@@ -23,6 +23,7 @@ from stages.forward.compute_thread import ComputeThread
 from stages.forward.config import ModelConfig
 from stages.forward.inputs import RequestStates
 from stages.forward.kv_cache import allocate_kv_caches, local_kv_heads
+from stages.forward.logprobs import add_logprobs
 from stages.forward.model import CausalLM
 from stages.forward.parallel import TensorParallel
 from stages.forward.runner_load import (
@@ -181,8 +182,10 @@ class ModelRunner:
         attention and ``save_kv_layer(i, kv_caches[i], ctx)`` after it.
 
         Returns:
-            Float32 logits of the requests whose ``sample`` is set, in batch order. An
-            empty step returns ``req_ids=()`` and a ``[0, vocab]`` tensor without
+            Float32 logits of the requests whose ``sample`` is set, in batch order,
+            and of the prompt positions whose logprobs a request asked for
+            (``prompt_logits``; computed in the same ``lm_head`` call). An empty step
+            returns ``req_ids=()`` and a ``[0, vocab]`` tensor without
             running the model.
 
         Raises:
@@ -210,16 +213,39 @@ class ModelRunner:
         with torch.inference_mode(), self.device_sync.compute_stream():
             meta = batch.attn_meta
             hidden = self.model(batch.input_ids, meta.positions, meta, self.kv_caches, hooks)
-            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        return ModelOutput(req_ids=batch.sample_req_ids, logits=logits, num_tokens=meta.num_tokens)
+            rows = batch.sample_rows
+            if batch.prompt_rows is not None:  # one lm_head (a collective) for both
+                rows = torch.cat((rows, batch.prompt_rows))
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        n = len(batch.sample_req_ids)
+        return ModelOutput(
+            req_ids=batch.sample_req_ids,
+            logits=logits if batch.prompt_rows is None else logits[:n],
+            num_tokens=meta.num_tokens,
+            prompt_req_ids=batch.prompt_req_ids,
+            prompt_logits=None if batch.prompt_rows is None else logits[n:],
+        )
 
     def sample(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> SampledTokens:
         """Sample one token per row of ``model_output`` with each request's parameters.
 
         A row that cannot be sampled does not fail the others: its request is named in
-        ``SampledTokens.errors`` (and gets no token), and fails alone. Blocks the calling
-        thread (it reads the tokens back from the device).
+        ``SampledTokens.errors`` (and gets no token), and fails alone. The logprobs of
+        the requests that asked (sampled tokens, prompt targets) are added from the raw
+        logits (:func:`~stages.forward.logprobs.add_logprobs`); a request whose
+        logprobs fail fails alone too. Blocks the calling thread (it reads the tokens
+        back from the device).
         """
+        sampled = self._sample_tokens(scheduler_output, model_output)
+        if model_output.prompt_logits is not None or any(
+            r.sampling.logprobs is not None for r in scheduler_output.requests
+        ):
+            return add_logprobs(sampled, scheduler_output, model_output)
+        return sampled
+
+    def _sample_tokens(
+        self, scheduler_output: SchedulerOutput, model_output: ModelOutput
+    ) -> SampledTokens:
         if not model_output.req_ids:
             return SampledTokens(token_ids={})
         by_id = {r.req_id: r for r in scheduler_output.requests}

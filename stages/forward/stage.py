@@ -44,7 +44,8 @@ class ForwardStage:
 
 @attrs.frozen
 class SampleStage:
-    """Samples one token per request that reached the end of its known tokens.
+    """Samples one token per request that reached the end of its known tokens, and
+    computes the logprobs the requests asked for (sampled tokens, prompt tokens).
 
     Only the driver rank samples (``driver=True``); the other ranks return nothing, and
     fan-in takes the driver's tokens.
@@ -59,7 +60,7 @@ class SampleStage:
 
     async def run(self, ctx: StepContext) -> SampledTokens:
         model_output = ctx.get(ModelOutput)
-        if not self.driver or not model_output.req_ids:
+        if not self.driver or (not model_output.req_ids and model_output.prompt_logits is None):
             return SampledTokens()
         return await self.runner.compute.run(
             self.runner.sample, ctx.get(SchedulerOutput), model_output

@@ -186,6 +186,11 @@ def _admission(state: SchedulerState, request: Request) -> _Admission | None:
     """
     if state.kv.has_blocks(request.request_id):
         return _Admission(ComputedBlocks([], 0), 0, False)
+    if request.needs_prompt_logprobs:
+        # As vLLM: prompt logprobs need the logits of every prompt position, so the
+        # prompt is computed whole; no prefix-cache hit and no connector load (the
+        # connector is not asked; it sees a miss in update_state_after_alloc).
+        return _Admission(ComputedBlocks([], 0), 0, False)
     hit = state.kv.get_computed_blocks(request)
     if state.connector is None:
         return _Admission(hit, 0, False)
@@ -226,6 +231,15 @@ def _schedule(state: SchedulerState, request: Request, num_new: int) -> Schedule
         prefix_token_ids=(
             tuple(request.all_token_ids[:start])
             if num_sent is None and request.sampling_params.needs_history
+            else ()
+        ),
+        prompt_logprob_targets=(
+            tuple(
+                request.all_token_ids[
+                    start + 1 : min(start + num_new + 1, request.num_prompt_tokens)
+                ]
+            )
+            if request.needs_prompt_logprobs
             else ()
         ),
     )

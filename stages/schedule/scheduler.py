@@ -8,9 +8,9 @@ scheduler hooks. The engine calls, per step::
     ... workers run so, fan-in merges their outputs into out ...
     outs = scheduler.update_from_output(so, out)   # or fail_requests(...) if it failed
 
-and, between steps, ``add_request`` / ``abort_requests``. Everything is synchronous,
-never blocks, and must be called from one thread (the engine's event loop); none of it
-awaits, so there is no cancellation point inside a call.
+and, between steps, ``add_request`` / ``abort_requests`` / ``stop_requests``. Everything
+is synchronous, never blocks, and must be called from one thread (the engine's event
+loop); none of it awaits, so there is no cancellation point inside a call.
 """
 
 from __future__ import annotations
@@ -164,6 +164,17 @@ class Scheduler:
             One final output per request actually aborted.
         """
         return self._finish_all(req_ids, RequestStatus.FINISHED_ABORTED, None)
+
+    def stop_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
+        """Finish the given requests with ``"stop"`` (a stop string matched their text)
+        and free their blocks now, as :meth:`abort_requests` does: the connector's
+        ``request_finished`` sees them, and their ids reach the workers in the next
+        ``SchedulerOutput.finished_req_ids``. Unknown ids are ignored.
+
+        Returns:
+            One final output per request actually stopped.
+        """
+        return self._finish_all(req_ids, RequestStatus.FINISHED_STOPPED, None)
 
     def fail_requests(self, req_ids: Iterable[str], error: str) -> list[RequestOutput]:
         """Finish the given requests with ``"error"`` (a failed step fails its requests

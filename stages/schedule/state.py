@@ -38,7 +38,24 @@ def make_output(request: Request, new_token_ids: tuple[int, ...]) -> RequestOutp
         error=request.error,
         num_cached_tokens=max(0, request.num_cached_tokens),
         metrics=request.metrics,
+        stop_reason=_stop_reason(request),
+        logprobs=None if request.logprobs is None else tuple(request.logprobs),
+        prompt_logprobs=(
+            request.prompt_logprobs if isinstance(request.prompt_logprobs, tuple) else None
+        ),
     )
+
+
+def _stop_reason(request: Request) -> int | None:
+    """The ``stop_token_ids`` token that stopped ``request``, as vLLM reports it (EOS,
+    checked first unless ``ignore_eos``, gives ``None``)."""
+    if request.status != RequestStatus.FINISHED_STOPPED or request.num_output_tokens == 0:
+        return None
+    params = request.sampling_params
+    last = request.all_token_ids[-1]
+    if not params.ignore_eos and last == request.eos_token_id:
+        return None
+    return last if last in params.stop_token_ids else None
 
 
 @attrs.define(eq=False)

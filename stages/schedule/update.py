@@ -20,7 +20,7 @@ import time
 import attrs
 
 from connectors.base import KVConnectorOutput
-from pipeline.artifacts import FanInOutput, SchedulerOutput
+from pipeline.artifacts import FanInOutput, ScheduledRequest, SchedulerOutput
 from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
 from stages.schedule.state import SchedulerState, make_output
@@ -88,9 +88,17 @@ def apply_output(
             state.finish(request, RequestStatus.FINISHED_ERROR, f"step {output.step_id}: {reason}")
             outputs.append(make_output(request, ()))
             continue
-        if not item.sample or req_id in discarded:
+        if req_id in discarded:
             continue
         token = output.sampled_token_ids.get(req_id)
+        error = _record_logprobs(request, item, output, token)
+        if error is not None:
+            log.error("missing logprobs", req_id=req_id, step=output.step_id, error=error)
+            state.finish(request, RequestStatus.FINISHED_ERROR, f"step {output.step_id}: {error}")
+            outputs.append(make_output(request, ()))
+            continue
+        if not item.sample:
+            continue
         if token is None:
             error = f"step {scheduler_output.step_id}: no token was sampled for {req_id!r}"
             log.error("missing sampled token", req_id=req_id, step=scheduler_output.step_id)
@@ -130,6 +138,32 @@ def apply_output(
                 error=repr(exc),
             )
     return outputs
+
+
+def _record_logprobs(
+    request: Request, item: ScheduledRequest, output: FanInOutput, token: int | None
+) -> str | None:
+    """Store the step's prompt logprobs of ``request`` (at the positions its chunk
+    scored; a recomputed chunk overwrites) and its sampled token's logprob. Returns
+    why they are missing or inconsistent, or ``None`` when all is well."""
+    targets = item.prompt_logprob_targets
+    if targets and isinstance(request.prompt_logprobs, list):
+        entries = output.prompt_logprobs.get(item.req_id, ())
+        if tuple(e.token_id for e in entries) != targets:
+            return "the prompt logprobs of the step are missing"
+        start = item.num_computed_tokens + 1
+        stored = request.prompt_logprobs
+        if start > len(stored):
+            return f"prompt logprobs from position {start} leave a gap after {len(stored)}"
+        stored[start : start + len(entries)] = entries
+        if len(stored) >= request.num_prompt_tokens:
+            request.prompt_logprobs = tuple(stored[: request.num_prompt_tokens])
+    if item.sample and token is not None and request.logprobs is not None:
+        entry = output.logprobs.get(item.req_id)
+        if entry is None or entry.token_id != int(token):
+            return "the logprob of the sampled token is missing"
+        request.logprobs.append(entry)
+    return None
 
 
 def _handle_load_errors(

@@ -102,3 +102,26 @@ class TestTrace:
     def test_empty_records_give_no_events(self) -> None:
         """Records without timestamps produce an empty trace."""
         assert trace_events([{"event": "step"}]) == []
+
+
+def test_steps_filter_the_trace(records: list[dict[str, Any]], tmp_path: Path) -> None:
+    """`--steps A:B` keeps only those steps' slices in the trace, as in the summary."""
+    out = tmp_path / "trace.json"
+    everything = write_trace(records, tmp_path / "all.json")
+    n = write_trace(records, out, steps=(1, 3))
+    events = json.loads(out.read_text())["traceEvents"]
+    _validate(events)
+    step_ids = {ev["args"].get("step_id") for ev in events if ev["ph"] == "X"}
+    assert step_ids == {1, 2}
+    assert 0 < n < everything
+
+
+def test_steps_that_select_nothing_are_refused(
+    records: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    from pipeline.errors import InvalidConfigError
+
+    out = tmp_path / "trace.json"
+    with pytest.raises(InvalidConfigError, match="--steps"):
+        write_trace(records, out, steps=(10_000, None))
+    assert not out.exists()

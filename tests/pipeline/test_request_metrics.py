@@ -131,15 +131,48 @@ class TestPrometheus:
                                 "ignore_eos": True}  # fmt: skip
                         assert (await c.post("/v1/completions", json=body)).status_code == 200
                     text = (await c.get("/metrics")).text
-        names = ("time_to_first_token", "inter_token_latency", "e2e_request_latency",
-                 "request_queue_time")  # fmt: skip
+        names = ("time_to_first_token", "request_time_per_output_token",
+                 "e2e_request_latency", "request_queue_time")  # fmt: skip
         for short in names:
             name = f"kvstep_{short}_seconds"
             assert _count(text, f"{name}_count") == n, name
             assert _count(text, f"{name}_sum") >= 0
+        # Inter-token latency: one sample per token after each request's first.
+        assert _count(text, "kvstep_inter_token_latency_seconds_count") == n * (3 - 1)
         assert _count(text, "kvstep_prefix_cache_queries_total") == n * 20
         # The first request misses; the next two hit the one full block (16 tokens).
         assert _count(text, "kvstep_prefix_cache_hits_total") == (n - 1) * 16
+
+
+class TestInterTokenLatency:
+    @pytest.mark.anyio
+    async def test_streamed_tokens_each_give_one_gap(self) -> None:
+        """Per-token ITL: a streamed request of k tokens adds k - 1 samples whose sum is
+        its first-to-last token time, i.e. (k - 1) times its time per output token."""
+        import httpx
+
+        from pipeline.server import create_app
+
+        k = 6
+        async with AsyncEngine(EngineConfig(max_model_len=128)) as engine:
+            app = create_app(engine)
+            async with app.router.lifespan_context(app):
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://k") as c:
+                    body = {"prompt": [1, 2, 3], "max_tokens": k, "temperature": 0.0,
+                            "ignore_eos": True, "stream": True}  # fmt: skip
+                    async with c.stream("POST", "/v1/completions", json=body) as response:
+                        assert response.status_code == 200
+                        events = [line async for line in response.aiter_lines() if line]
+                    text = (await c.get("/metrics")).text
+        assert events[-1] == "data: [DONE]"
+        itl = "kvstep_inter_token_latency_seconds"
+        tpot = "kvstep_request_time_per_output_token_seconds"
+        assert _count(text, f"{itl}_count") == k - 1
+        assert _count(text, f"{tpot}_count") == 1
+        assert _count(text, f"{itl}_sum") == pytest.approx(
+            (k - 1) * _count(text, f"{tpot}_sum"), rel=1e-6, abs=1e-9
+        )
 
 
 class TestTrace:

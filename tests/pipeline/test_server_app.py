@@ -85,7 +85,7 @@ class TestErrors:
             (_body(prompt=[1, 10**6]), "token id"),
             (_body(max_tokens=0), "max_tokens"),
             (_body(temperature=-1), "temperature"),
-            (_body(n=2), "n=1"),
+            (_body(n=17), "invalid n=17"),
             (_body(stream="yes"), "stream"),
         ],
     )
@@ -252,8 +252,8 @@ class TestStepLogListeners:
 class TestDetokenizer:
     def test_text_deltas_with_a_tokenizer(self) -> None:
         """With a tokenizer, each delta is the new suffix of the decoded text."""
+        from pipeline.detokenize import Detokenizer
         from pipeline.request import RequestOutput
-        from pipeline.server.detokenize import Detokenizer
 
         class Letters:
             def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -34,7 +34,8 @@ FIELDS = [
     "prompt", "model", "stream", "max_tokens", "temperature", "top_p", "top_k", "seed",
     "ignore_eos", "stop_token_ids", "n", "user", "stream_options", "stop", "logprobs",
     "echo", "best_of", "presence_penalty", "logit_bias", "suffix", "x_unknown",
-    "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+    "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs",
+    "include_stop_str_in_output", "top_logprobs",
 ]  # fmt: skip
 ODD_LITERALS = [
     "1" + "0" * 400, "-1" + "0" * 30, "NaN", "Infinity", "-Infinity", "1e400", "-0.0",
@@ -75,10 +76,14 @@ valid_values: dict[str, st.SearchStrategy[Any]] = {
     "top_k": st.integers(-1, 50),
     "seed": st.integers(0, 2**64 - 1),
     "ignore_eos": st.booleans(),
-    "n": st.just(1),
+    "n": st.integers(1, 3),
+    "best_of": st.sampled_from([None, 1]),
+    "logprobs": st.one_of(st.none(), st.integers(0, 5)),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(0, 3)),
+    "stop": st.sampled_from(["", [], "x"]),
     "user": st.text(max_size=10),
     "stop_token_ids": st.lists(st.integers(0, 255), max_size=4),
-    "echo": st.just(False),
+    "echo": st.booleans(),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
 }

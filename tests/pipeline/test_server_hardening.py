@@ -177,8 +177,10 @@ class TestBodies:
             ({"prompt": [1, True]}, "prompt"),
             ({"prompt": list(range(200))}, "prompt"),
             ({"stop": ["\n"]}, "stop"),
-            ({"logprobs": 2}, "logprobs"),
-            ({"echo": True}, "echo"),
+            ({"logprobs": True}, "logprobs"),
+            ({"logprobs": 21}, "logprobs"),
+            ({"echo": 1}, "echo"),
+            ({"suffix": "x"}, "suffix"),
             ({"best_of": 3}, "best_of"),
             ({"presence_penalty": 2.5}, "presence_penalty"),
             ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
@@ -318,7 +320,7 @@ class TestIncrementalDetokenizer:
         self, tokenizer: Tokenizer, data: st.DataObject
     ) -> None:
         """Finding 9: the stream's deltas join to decode(all ids), split UTF-8 included."""
-        from pipeline.server.detokenize import Detokenizer
+        from pipeline.detokenize import Detokenizer
 
         vocab = 400
         ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=60))
@@ -333,7 +335,7 @@ class TestIncrementalDetokenizer:
 
     def test_a_4000_token_stream_decodes_o_n_tokens(self, tokenizer: Tokenizer) -> None:
         """Finding 9: streaming 4,000 tokens decodes O(n) tokens, not O(n²)."""
-        from pipeline.server.detokenize import Detokenizer
+        from pipeline.detokenize import Detokenizer
 
         decoded = [0]
 

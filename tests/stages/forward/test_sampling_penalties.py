@@ -140,6 +140,22 @@ class TestMinTokens:
         assert len(held.token_ids) >= 4
         assert first not in held.token_ids[:4]
 
+    def test_engine_does_not_end_at_eos_before_min_tokens(self) -> None:
+        """The model's EOS (builtin:tiny: id 2), made the argmax by ``logit_bias``, ends a
+        request at once without ``min_tokens``; with ``min_tokens=4`` it is masked for the
+        first 4 tokens and ends the request as the 5th (EOS is kept in the output)."""
+        cfg = EngineConfig(model="builtin:tiny")
+        prompt = [5, 17, 33, 90, 4]
+        eos_first = {"temperature": 0.0, "max_tokens": 8, "logit_bias": {self.EOS: 100.0}}
+        with LLM(cfg) as llm:
+            at_once = llm.generate(prompt, SamplingParams(**eos_first))[0]
+            held = llm.generate(prompt, SamplingParams(**eos_first, min_tokens=4))[0]
+            leaks = llm.leak_report()
+        assert at_once.token_ids == (self.EOS,) and at_once.finish_reason == "stop"
+        assert len(held.token_ids) == 5 and held.finish_reason == "stop"
+        assert self.EOS not in held.token_ids[:4] and held.token_ids[4] == self.EOS
+        assert leaks["blocks_in_use"] == 0 and leaks["requests"] == 0
+
 
 @pytest.mark.parametrize(
     ("fields", "name"),

@@ -1,5 +1,8 @@
 """Incremental detokenization: a stream's text deltas in O(1) decode work per token.
 
+Shared by the engine (:mod:`pipeline.engine.output_text` makes ``RequestOutput.text``)
+and the server, which must not import each other's layers.
+
 Re-decoding a request's whole output on every chunk costs O(n) per chunk and O(n²) per
 stream. :class:`Detokenizer` decodes only a bounded window, as vLLM's incremental
 detokenizer and text-generation-inference do: ``prefix_offset`` marks where the window

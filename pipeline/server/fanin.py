@@ -1,0 +1,235 @@
+"""Many engine requests behind one HTTP response: admit all or none, collect or stream.
+
+A completions batch (one request per prompt) and ``n`` choices (``n`` requests per
+prompt) are engine requests answered together. Request ``i`` is choice ``i``:
+prompt-major, ``prompt_index * n + copy``, as vLLM numbers them. The ``n`` copies of a
+prompt are admitted one after the other, so they share the prompt's KV blocks through
+the prefix cache; with a ``seed``, copy ``i`` samples with ``seed + i`` (vLLM's parallel
+sampling) so that the copies differ.
+
+As in vLLM, the requests succeed or fail together: one refused at admission (a bad
+token id, a full queue) refuses the whole HTTP request, and one that fails in the engine
+ends the whole response with an error (non-streaming: the error response; streaming: an
+error event, no ``[DONE]``), aborting the others. A client that goes away aborts them
+all: a stream when its response task is cancelled, a non-streaming request when the ASGI
+receive channel reports ``http.disconnect`` while its outputs are being collected.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import attrs
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pipeline.config import SamplingParams
+from pipeline.engine.async_engine import AsyncEngine, RequestStream
+from pipeline.errors import EngineDeadError
+from pipeline.logs import get_logger
+from pipeline.request import RequestOutput
+from pipeline.server.body import CLIENT_CLOSED
+from pipeline.server.errors import error_body, request_id
+
+if TYPE_CHECKING:
+    from pipeline.server.app import ServerState
+
+__all__ = ["FanInStream", "admit", "collect_unless_gone", "copy_params", "sse"]
+
+_log = get_logger()
+_Item = tuple[int, RequestOutput | Exception]
+_INT64 = 2**63
+#: Turns the requests' outputs (choice index, output), as they come, into SSE events.
+Render = Callable[[AsyncIterator[tuple[int, RequestOutput]]], AsyncIterator[str]]
+
+
+def copy_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of a prompt's ``n`` copies: copy ``i`` seeded ``seed + i``
+    (wrapped to 64 bits); unseeded copies share ``params``."""
+    if params.seed is None or n == 1:
+        return [params] * n
+    seeds = [(params.seed + i + _INT64) % (2 * _INT64) - _INT64 for i in range(n)]
+    return [attrs.evolve(params, seed=seed) for seed in seeds]
+
+
+async def admit(
+    engine: AsyncEngine, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+) -> list[RequestStream]:
+    """One engine request per (prompt, params), in order; all or none are admitted."""
+    streams: list[RequestStream] = []
+    try:
+        for prompt, one in zip(prompts, params, strict=True):
+            streams.append(engine.generate(prompt, one))
+    except BaseException:
+        for admitted in streams:  # all or none: abort the requests already admitted
+            await admitted.aclose()
+        raise
+    return streams
+
+
+def count_finished(state: ServerState, out: RequestOutput) -> None:
+    """Count a finished request in the server's metrics."""
+    state.metrics.observe_finished(out)
+
+
+async def collect_unless_gone(
+    request: Request, state: ServerState, streams: list[RequestStream]
+) -> list[RequestOutput] | Response:
+    """Each request's last output, in order; if the client disconnects meanwhile, the
+    requests are aborted and a ``CLIENT_CLOSED`` response is returned instead."""
+    result: list[list[RequestOutput]] = []
+
+    async def watch_disconnect(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    failed: list[Exception] = []
+    settled: set[int] = set()  # requests that finished or failed
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_disconnect, tg.cancel_scope)
+            try:
+                result.append(await _collect(state, streams, settled))
+            except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
+                failed.append(exc)
+            tg.cancel_scope.cancel()
+    finally:
+        aborted = len(streams) - len(settled)
+        for stream in streams:
+            await stream.aclose()  # aborts what has not finished
+    if aborted:
+        state.metrics.requests.labels("abort").inc(aborted)
+    if failed:
+        raise failed[0]
+    if not result:  # cancelled by the watcher: the streams aborted their requests
+        _log.info(
+            "client_disconnected",
+            request_id=request_id(request),
+            engine_requests=[s.request_id for s in streams],
+        )
+        return Response(status_code=CLIENT_CLOSED)
+    return result[0]
+
+
+async def _collect(
+    state: ServerState, streams: list[RequestStream], settled: set[int]
+) -> list[RequestOutput]:
+    lasts: list[RequestOutput | None] = [None] * len(streams)
+    failed: list[Exception] = []
+
+    async def collect_one(index: int, stream: RequestStream, scope: anyio.CancelScope) -> None:
+        previous: float | None = None  # the request's last token time, for ITL
+        try:
+            async for out in stream:
+                previous = state.metrics.observe_tokens(out, previous)
+                lasts[index] = out
+                if out.finished:
+                    settled.add(index)
+        except Exception as exc:  # one request failed: the whole response fails
+            settled.add(index)
+            failed.append(exc)
+            scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for index, stream in enumerate(streams):
+            tg.start_soon(collect_one, index, stream, tg.cancel_scope)
+    if failed:
+        raise failed[0]
+    finals: list[RequestOutput] = []
+    for last in lasts:
+        if last is None:  # the engine closed the stream without an output
+            raise EngineDeadError("the engine ended the request without output")
+        count_finished(state, last)
+        finals.append(last)
+    return finals
+
+
+def sse(body: dict[str, Any]) -> str:
+    """One server-sent event carrying ``body`` as JSON."""
+    return f"data: {json.dumps(body)}\n\n"
+
+
+class FanInStream(StreamingResponse):
+    """Server-sent events of several requests, their outputs interleaved as they come.
+
+    One task per request forwards its outputs to a channel; ``render`` turns them into
+    events (it sees every output with new tokens, and each last output). An engine
+    failure ends the events with an ``engine_unavailable`` error event. When the
+    response ends for any reason (done, client gone, a request failed), the requests
+    not finished are aborted and counted as such.
+    """
+
+    def __init__(self, state: ServerState, streams: Sequence[RequestStream], render: Render):
+        self._state = state
+        self._streams = list(streams)
+        self._render = render
+        self._pending = len(self._streams)
+        self._settled: set[int] = set()  # requests that finished or failed
+        self._failed = self._streams[0].request_id  # the request whose failure ended it
+        super().__init__(
+            self._events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        channel, output = anyio.create_memory_object_stream[_Item](math.inf)
+        self._send: MemoryObjectSendStream[_Item] = channel
+        self._receive: MemoryObjectReceiveStream[_Item] = output
+        try:
+            async with anyio.create_task_group() as tg:
+                for index, stream in enumerate(self._streams):
+                    tg.start_soon(self._pump, index, stream)
+                await super().__call__(scope, receive, send)
+                tg.cancel_scope.cancel()
+        finally:
+            channel.close()
+            output.close()
+            aborted = len(self._streams) - len(self._settled)
+            if aborted:  # the client went away, or another request failed
+                self._state.metrics.requests.labels("abort").inc(aborted)
+            for stream in self._streams:
+                await stream.aclose()
+
+    async def _pump(self, index: int, stream: RequestStream) -> None:
+        previous: float | None = None  # the request's last token time, for ITL
+        try:
+            async for out in stream:
+                previous = self._state.metrics.observe_tokens(out, previous)
+                self._send.send_nowait((index, out))
+                if out.finished:
+                    self._settled.add(index)
+        except Exception as exc:
+            self._settled.add(index)
+            self._send.send_nowait((index, exc))
+        finally:
+            self._pending -= 1
+            if self._pending == 0:
+                self._send.close()
+
+    async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        async for index, item in self._receive:
+            if isinstance(item, Exception):
+                self._failed = self._streams[index].request_id
+                raise item
+            if not item.new_token_ids and not item.finished:
+                continue
+            if item.finished:
+                count_finished(self._state, item)
+            yield index, item
+
+    async def _events(self) -> AsyncIterator[str]:
+        try:
+            async for event in self._render(self._outputs()):
+                yield event
+        except EngineDeadError as exc:
+            _log.error(
+                "stream_failed_engine_unavailable", engine_request=self._failed, error=str(exc)
+            )
+            message = f"the engine is unavailable (request {self._failed})"
+            yield sse(error_body(message, "service_unavailable_error", "engine_unavailable"))
