@@ -1,7 +1,7 @@
 """Serving: a real ``kvstep serve`` process under a Poisson workload, its latencies seen
 from the client and from the server's ``/metrics``, side by side.
 
-    python benchmarks/serve.py [--num-requests 200] [--request-rate 1.5] [--json PATH]
+    python benchmarks/serve.py [--num-requests 300] [--request-rate 5] [--json PATH]
 
 The server is ``python -m pipeline.cli serve`` on a free loopback port (``--model``,
 ``builtin:tiny`` by default, plus any ``--server-arg``), started here and stopped at the
@@ -16,8 +16,9 @@ Each prompt is one of ``--num-prefixes`` shared prefixes (lengths drawn from
 English words (about 2.3 tokens each with ``builtin:tiny``'s tokenizer; the report gives
 the real token counts from ``usage``). Each request asks for ``max_tokens`` drawn from
 ``--output-tokens`` with ``ignore_eos``, so every output length is known and checked.
-The default rate is sized for ``builtin:tiny`` on a small shared CPU box (busy, not
-falling behind); raise it on a GPU.
+The defaults (prompts of about 450 to 2,300 tokens, 60% of them from the prefix cache,
+16 to 96 output tokens, 5 requests/s) keep ``builtin:tiny`` on a 2-CPU box busy without
+falling behind (about 5.3 requests/s done of 5.3 sent); raise the rate on a GPU.
 
 What each side measures, per request:
 
@@ -25,7 +26,8 @@ What each side measures, per request:
 metric    client (httpx, this process)          server (``/metrics`` histogram)
 ========  ====================================  ==========================================
 TTFT      send -> first chunk with a token      ``kvstep_time_to_first_token_seconds``:
-                                                engine arrival -> first token sampled
+                                                HTTP arrival -> the route has the first
+                                                token and is about to send it
 TPOT      (E2E - TTFT) / (tokens - 1)           ``kvstep_request_time_per_output_token_
                                                 seconds``: the server's per-request mean
                                                 gap, (last - first token time) /
@@ -35,7 +37,8 @@ ITL       every gap between two token chunks    ``kvstep_inter_token_latency_sec
                                                 request (one sample per token after the
                                                 first)
 E2E       send -> end of the stream             ``kvstep_e2e_request_latency_seconds``:
-                                                engine arrival -> finished
+                                                HTTP arrival -> the route has the last
+                                                output
 ========  ====================================  ==========================================
 
 The server's quantiles come from the bucket deltas by linear interpolation inside the
@@ -50,24 +53,24 @@ server's buckets: the share of a difference that the buckets alone make.
 Why the two sides differ, and which way:
 
 * **Span.** The client's clock starts before the HTTP request is written and stops when
-  the chunk has been read; the server's starts when the engine admits the request (after
-  the body is read and parsed and the prompt tokenized) and stops when the token is
-  sampled (before the chunk is detokenized, serialized and written). So the client's
-  TTFT and E2E are longer by that HTTP/SSE work plus any wait for the server's event
-  loop, which also runs the engine's step loop (scheduling and stages on the loop, the
-  forward in a thread that competes for the same cores and the GIL), so a request that
-  arrives mid-step may be parsed only after it; and, on the client, any wait for this
-  process's own event loop. The exact means show it: in the recorded run (200 requests
-  at 1.5/s, ``builtin:tiny`` on 2 CPUs shared with other work, load average ~8) the
-  client's mean TTFT was 43 ms (5%) above the server's and its mean E2E 41 ms above,
-  while the mean TPOT agreed to 0.03% (a difference of two times on each side cancels
-  the offset). The offset is a large fraction only of a small TTFT.
+  the chunk has been read; the server's starts when its guard middleware receives the
+  request (the engine request's ``arrival_time``, so body reading, parsing and
+  tokenizing are in) and stops when the route has the token and is about to serialize
+  and write it. What neither side's clock sees is in the client's times only: the wait
+  before the server's event loop reads the request (it also runs the engine's step
+  loop, and the forward's thread competes with it for the GIL), the chunk's way out,
+  and this process's own event loop. That is a few milliseconds whatever the TTFT: in
+  the recorded run (the defaults, ``builtin:tiny`` on 2 CPUs, load average 1.3-2.4)
+  the client's mean TTFT was 5.8 ms (8%) above the server's and its mean E2E 6.9 ms
+  above, while the mean TPOT and ITL agreed to 0.1%. A workload whose TTFT is a few
+  tens of milliseconds therefore cannot agree within 10% on TTFT (with 250-token
+  prompts at 4/s: TTFT p50 24 ms client, 17 ms server); the defaults' prompts are long
+  enough for prefill to dominate.
 * **Buckets.** Interpolation assumes the samples spread evenly over the bucket that holds
   the rank. The server's step and request histograms use Renard's R20 bounds, 20 per
   decade, at most 14% apart, so a quantile's bucket error is under that and usually a
-  few percent (the ``buckets`` columns); a p99 of 200 samples rests on the two or three
-  largest, so it moves more than a p50 (+8.5% for TPOT p99 in the recorded run, all of
-  it bucket error).
+  few percent (the ``buckets`` columns); a p99 of 300 samples rests on the three
+  largest, so it moves more than a p50.
 * **ITL.** Both sides count one sample per token after the first. The server's gap is
   between two sampling times; the client's between two chunk arrivals, which adds the
   jitter of delivery (a chunk written late makes one gap longer and the next shorter),
@@ -80,46 +83,20 @@ JSON goes to ``benchmarks/results/serve.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import random
-import socket
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import anyio
 import attrs
-import httpx
-import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
+from _serve_client import RequestSpec, WorkloadRun, build_workload, run_workload, serve
+from _serve_metrics import TOLERANCE, Scrape, compare, histogram_quantile
 
 RESULTS = Path(__file__).parent / "results"
-ROOT = Path(__file__).resolve().parent.parent
-TOLERANCE = 0.10
-QUANTILES = (0.5, 0.99)
-# The client's sample quantile: the empirical CDF interpolated linearly, rank q * n (Hyndman
-# and Fan's type 4), the definition histogram_quantile applies to buckets; numpy's default
-# (rank q * (n - 1)) puts p99 of 200 samples half a sample lower.
-SAMPLE_QUANTILE: Final = "interpolated_inverted_cdf"
-
-# Plain English words the builtin tokenizer knows well (it was trained on such text).
-_VOCABULARY = (
-    "the a of and to in is it that for on with as was he she they we you this be at by "
-    "from or an but not what all were when your can said there use each which do how "
-    "their if will up other about out many then them these so some her would make like "
-    "him into time has look two more write go see number no way could people my than "
-    "first water been call who oil its now find long down day did get come made may part "
-    "model token cache block prompt request server reply bread river town morning sea "
-    "green bird tree spring story question answer kind brief correct light small warm"
-)
-WORDS = tuple(_VOCABULARY.split())
 
 # Server metric families (their names as the text exposition gives them).
 TTFT = "kvstep_time_to_first_token_seconds"
@@ -128,354 +105,6 @@ ITL = "kvstep_inter_token_latency_seconds"
 E2E = "kvstep_e2e_request_latency_seconds"
 QUEUE = "kvstep_request_queue_time_seconds"
 STEP = "kvstep_step_latency_seconds"
-
-
-# -- the server ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def serve(model: str, extra: Sequence[str], log: Path, timeout_s: float = 180.0) -> Iterator[str]:
-    """Start ``kvstep serve`` from this repository, wait for ``/health``; yield its URL.
-
-    The process is terminated (then killed after 30 s) on exit, whatever happened.
-    """
-    port = free_port()
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--model", model, *extra]
-    env = {**os.environ}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if process.poll() is not None:
-                    tail = log.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"server exited with {process.returncode}:\n{tail}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    tail = log.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"server did not come up in {timeout_s} s:\n{tail}")
-                time.sleep(0.2)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-# -- the workload -------------------------------------------------------------------------
-
-
-@attrs.frozen
-class RequestSpec:
-    """One request of the workload.
-
-    Attributes:
-        send_at_s: When to send it, seconds after the workload starts.
-        prompt: The prompt text (a shared prefix + a unique suffix).
-        prefix: Which shared prefix it starts with.
-        max_tokens: Tokens to generate (``ignore_eos``: exactly this many).
-    """
-
-    send_at_s: float
-    prompt: str
-    prefix: int
-    max_tokens: int
-
-
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def build_workload(args: argparse.Namespace, count: int, seed: int) -> list[RequestSpec]:
-    """``count`` requests with Poisson send times (seeded, same for the same flags)."""
-    rng = random.Random(seed)
-    prefixes = [
-        _words(rng, rng.randint(*args.prefix_words)) + "." for _ in range(args.num_prefixes)
-    ]
-    specs = []
-    at = 0.0
-    for _ in range(count):
-        at += rng.expovariate(args.request_rate)
-        which = rng.randrange(len(prefixes))
-        suffix = _words(rng, rng.randint(*args.suffix_words))
-        specs.append(
-            RequestSpec(at, f"{prefixes[which]} {suffix}", which, rng.randint(*args.output_tokens))
-        )
-    return specs
-
-
-@attrs.define
-class ClientRecord:
-    """What the client saw of one request (``perf_counter`` seconds).
-
-    Attributes:
-        sent: When the request was sent.
-        chunk_times: Arrival time of each chunk that carried tokens.
-        chunk_tokens: Tokens in each of those chunks.
-        ended: When the stream ended (``[DONE]`` read), or ``None``.
-        prompt_tokens: From the final ``usage`` chunk.
-        completion_tokens: From the final ``usage`` chunk.
-        error: Why the request failed, or ``None``.
-    """
-
-    sent: float
-    chunk_times: list[float] = attrs.field(factory=list)
-    chunk_tokens: list[int] = attrs.field(factory=list)
-    ended: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.ended is not None and bool(self.chunk_times)
-
-    @property
-    def ttft_s(self) -> float:
-        return self.chunk_times[0] - self.sent
-
-    @property
-    def e2e_s(self) -> float:
-        assert self.ended is not None
-        return self.ended - self.sent
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.completion_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
-
-    @property
-    def itls_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
-
-
-async def send_one(client: httpx.AsyncClient, spec: RequestSpec, record: ClientRecord) -> None:
-    """Stream one completion into ``record``; a failure is recorded, never raised."""
-    body = {
-        "prompt": spec.prompt,
-        "max_tokens": spec.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                record.error = f"HTTP {response.status_code}: {response.text[:200]}"
-                return
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    record.ended = now
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    record.error = str(chunk["error"])[:200]
-                    return
-                tokens = sum(len(c.get("token_ids") or ()) for c in chunk["choices"])
-                if tokens:
-                    record.chunk_times.append(now)
-                    record.chunk_tokens.append(tokens)
-                if chunk.get("usage"):
-                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    record.completion_tokens = chunk["usage"]["completion_tokens"]
-    except httpx.HTTPError as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
-
-
-@attrs.frozen
-class WorkloadRun:
-    """What :func:`run_workload` saw.
-
-    Attributes:
-        records: One per request, in the order sent.
-        started: ``perf_counter`` time the workload started (send times count from it).
-    """
-
-    records: list[ClientRecord]
-    started: float
-
-
-async def run_workload(url: str, specs: Sequence[RequestSpec]) -> WorkloadRun:
-    """Send each request at its time, not waiting for earlier ones to finish; return
-    when every request has finished or failed."""
-    records: list[ClientRecord] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(600.0)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
-        start = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for spec in specs:
-                delay = start + spec.send_at_s - time.perf_counter()
-                if delay > 0:
-                    await anyio.sleep(delay)
-                record = ClientRecord(sent=time.perf_counter())
-                records.append(record)
-                tg.start_soon(send_one, client, spec, record)
-    return WorkloadRun(records, start)
-
-
-# -- the server's histograms --------------------------------------------------------------
-
-
-Histogram = list[tuple[float, float]]  # (upper bound, cumulative count), ascending
-
-
-@attrs.frozen
-class Scrape:
-    """The numbers of one ``/metrics`` text (or the difference of two).
-
-    A key is the sample's name plus its labels but ``le``, e.g.
-    ``kvstep_step_latency_seconds,kind=engine`` or
-    ``kvstep_requests_total,finish_reason=length``.
-
-    Attributes:
-        hist: Each histogram's cumulative buckets.
-        sums: Each histogram's ``_sum``.
-        counts: Each histogram's ``_count``.
-        counters: Each counter's ``_total``.
-    """
-
-    hist: dict[str, Histogram]
-    sums: dict[str, float]
-    counts: dict[str, float]
-    counters: dict[str, float]
-
-    @classmethod
-    def of(cls, url: str) -> Scrape:
-        """Scrape ``{url}/metrics`` now."""
-        text = httpx.get(f"{url}/metrics", timeout=30).text
-        hist: dict[str, dict[float, float]] = {}
-        sums: dict[str, float] = {}
-        counts: dict[str, float] = {}
-        counters: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = sorted((k, v) for k, v in sample.labels.items() if k != "le")
-                tail = "".join(f",{k}={v}" for k, v in labels)
-                key = family.name + tail
-                if family.type == "histogram":
-                    if sample.name.endswith("_bucket"):
-                        hist.setdefault(key, {})[float(sample.labels["le"])] = sample.value
-                    elif sample.name.endswith("_sum"):
-                        sums[key] = sample.value
-                    elif sample.name.endswith("_count"):
-                        counts[key] = sample.value
-                elif family.type == "counter" and sample.name.endswith("_total"):
-                    counters[sample.name + tail] = sample.value
-        return cls({k: sorted(v.items()) for k, v in hist.items()}, sums, counts, counters)
-
-    def since(self, before: Scrape) -> Scrape:
-        """``self - before``, bucket by bucket and value by value."""
-        hist = {}
-        for key, buckets in self.hist.items():
-            old = dict(before.hist.get(key, []))
-            hist[key] = [(le, n - old.get(le, 0.0)) for le, n in buckets]
-
-        def minus(now: dict[str, float], then: dict[str, float]) -> dict[str, float]:
-            return {k: v - then.get(k, 0.0) for k, v in now.items()}
-
-        return Scrape(
-            hist,
-            minus(self.sums, before.sums),
-            minus(self.counts, before.counts),
-            minus(self.counters, before.counters),
-        )
-
-    def mean(self, key: str) -> float:
-        """A histogram's exact mean (``_sum / _count``); ``nan`` with no samples."""
-        count = self.counts.get(key, 0.0)
-        return self.sums.get(key, 0.0) / count if count else math.nan
-
-
-def histogram_quantile(q: float, buckets: Histogram) -> float:
-    """Prometheus's ``histogram_quantile``: find the bucket holding rank ``q * total``
-    and interpolate linearly inside it (its lower bound is the previous bucket's upper
-    bound, 0 for the first); ``nan`` with no samples; the highest finite bound when the
-    rank falls in ``+Inf``."""
-    total = buckets[-1][1] if buckets else 0.0
-    if total <= 0:
-        return math.nan
-    rank = q * total
-    lower, below = 0.0, 0.0
-    for upper, count in buckets:
-        if count >= rank:
-            if math.isinf(upper):
-                return lower
-            if count == below:
-                return upper
-            return lower + (upper - lower) * (rank - below) / (count - below)
-        lower, below = upper, count
-    return lower
-
-
-def bucketize(samples: Sequence[float], bounds: Sequence[float]) -> Histogram:
-    """Cumulative bucket counts of ``samples`` over ``bounds`` (as the server keeps them)."""
-    ordered = np.sort(np.asarray(samples, dtype=float))
-    return [(b, float(np.searchsorted(ordered, b, side="right"))) for b in bounds]
-
-
-# -- the report ---------------------------------------------------------------------------
-
-
-def compare(name: str, client: Sequence[float], server_key: str, server: Scrape) -> dict[str, Any]:
-    """One metric: client and server p50/p99 and means, relative differences, ok flags.
-
-    ``client_bucketed_*`` runs the client's own samples through the server's buckets
-    and ``histogram_quantile``; ``*_bucket_rel_diff`` is how far that moves them: the
-    part of the client/server difference that the buckets alone would make.
-    """
-    buckets = server.hist.get(server_key, [])
-    row: dict[str, Any] = {
-        "metric": name,
-        "server_metric": server_key,
-        "client_samples": len(client),
-        "server_samples": server.counts.get(server_key, 0.0),
-        "client_mean_s": float(np.mean(client)) if len(client) else math.nan,
-        "server_mean_s": server.mean(server_key),
-    }
-    row["mean_rel_diff"] = _rel(row["server_mean_s"], row["client_mean_s"])
-    bounds = [le for le, _ in buckets]
-    for q in QUANTILES:
-        tag = f"p{round(q * 100)}"
-        c = float(np.quantile(client, q, method=SAMPLE_QUANTILE)) if len(client) else math.nan
-        s = histogram_quantile(q, buckets)
-        rel = _rel(s, c)
-        row[f"client_{tag}_s"] = c
-        row[f"server_{tag}_s"] = s
-        bucketed = histogram_quantile(q, bucketize(client, bounds)) if bounds else math.nan
-        row[f"client_bucketed_{tag}_s"] = bucketed
-        row[f"{tag}_bucket_rel_diff"] = _rel(bucketed, c)
-        row[f"{tag}_rel_diff"] = rel
-        row[f"{tag}_ok"] = bool(abs(rel) <= TOLERANCE) if not math.isnan(rel) else False
-    return row
-
-
-def _rel(server: float, client: float) -> float:
-    if math.isnan(server) or math.isnan(client) or client == 0:
-        return math.nan
-    return (server - client) / client
 
 
 def summarize(
@@ -627,13 +256,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="builtin:tiny")
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--request-rate", type=float, default=1.5, help="requests/s (Poisson)")
+    parser.add_argument("--num-requests", type=int, default=300)
+    parser.add_argument("--request-rate", type=float, default=5.0, help="requests/s (Poisson)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-prefixes", type=int, default=4, help="shared prompt prefixes")
-    parser.add_argument("--prefix-words", type=_range, default=(16, 128), help="LOW,HIGH")
-    parser.add_argument("--suffix-words", type=_range, default=(4, 64), help="LOW,HIGH")
-    parser.add_argument("--output-tokens", type=_range, default=(8, 40), help="LOW,HIGH")
+    parser.add_argument("--prefix-words", type=_range, default=(200, 600), help="LOW,HIGH")
+    parser.add_argument("--suffix-words", type=_range, default=(100, 400), help="LOW,HIGH")
+    parser.add_argument("--output-tokens", type=_range, default=(16, 96), help="LOW,HIGH")
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests first")
     parser.add_argument(
         "--server-arg", action="append", default=[], help="passed to kvstep serve (repeat)"

@@ -194,6 +194,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> RequestStream:
         """Admit one request; iterate the result for its outputs.
 
@@ -201,6 +202,10 @@ class AsyncEngine:
         a list of prompts is refused (call ``generate`` once per prompt). Each output's
         ``new_text`` extends its ``text`` (never retracted: text that may begin a stop
         string is held back until it cannot), when the engine has a tokenizer.
+
+        ``arrival_time`` (``time.monotonic()``, default now) is when the request arrived,
+        e.g. when a server received it: the request's queue time and TTFT
+        (``RequestOutput.metrics``) count from there.
 
         Raises at once (before anything is queued): ``InvalidRequestError`` for a bad
         prompt or parameters (a ``dict`` where ``SamplingParams`` is expected),
@@ -222,7 +227,7 @@ class AsyncEngine:
                 "request_id", request_id, "must be unique among live requests"
             )
         stream = RequestStream(self, request_id)
-        core.add_request(request_id, token_ids, params)
+        core.add_request(request_id, token_ids, params, arrival_time)
         self._streams[request_id] = stream
         self._wakeup.set()
         return stream

@@ -17,6 +17,7 @@ import attrs
 from connectors.base import KVConnectorRole, KVConnectorScheduler
 from connectors.registry import create_connector, get_connector
 from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
+from pipeline.checks import check_float
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.engine.output_text import OutputText
 from pipeline.errors import EngineDeadError, InvalidRequestError, StepCancelledError
@@ -197,18 +198,41 @@ class EngineCore:
                 )
         return checked
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
         """Admit one request (its prompt already validated).
+
+        Args:
+            arrival_time: When the request arrived (``time.monotonic()``; default now):
+                its queue time and TTFT count from there.
 
         Raises:
             InvalidRequestError: ``params`` is not a ``SamplingParams`` the workers'
-                decoder accepts (e.g. altered after it was checked).
+                decoder accepts (e.g. altered after it was checked); ``arrival_time``
+                is not a finite time in the past.
         """
         self.validate_params(params)
+        now = time.monotonic()
+        if arrival_time is not None:
+            arrival_time = check_float(
+                "arrival_time", arrival_time, InvalidRequestError, lo=0.0, hi=now
+            )
         eos = self.model_config.eos_token_id
         if isinstance(eos, list | tuple):
             eos = eos[0] if eos else None
-        self.scheduler.add_request(Request(request_id, prompt, params, eos_token_id=eos))
+        request = Request(
+            request_id,
+            prompt,
+            params,
+            eos_token_id=eos,
+            arrival_time=now if arrival_time is None else arrival_time,
+        )
+        self.scheduler.add_request(request)
         self.output_text.add(request_id, params)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:

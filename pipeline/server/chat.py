@@ -30,6 +30,7 @@ from pipeline.request import RequestOutput
 from pipeline.server.body import read_body
 from pipeline.server.choices import Choice, chat_body, usage
 from pipeline.server.completions import model_not_found
+from pipeline.server.errors import arrival_time
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
 from pipeline.server.prompts import fit_max_tokens
@@ -65,7 +66,9 @@ async def chat_completions(request: Request) -> Response:
         fields.params, len(prompt), state.max_model_len, given=fields.max_tokens_given
     )
     n = fields.n
-    streams = await admit(state.running_engine(), [prompt] * n, copy_params(params, n))
+    streams = await admit(
+        state.running_engine(), [prompt] * n, copy_params(params, n), arrival_time(request)
+    )
     texts = TokenTexts(state.tokenizer)
     choices = [Choice(i, texts, logprobs=fields.logprobs) for i in range(n)]
     rid = streams[0].request_id

@@ -31,7 +31,7 @@ from pipeline.errors import InvalidRequestError
 from pipeline.request import RequestOutput
 from pipeline.server.body import read_body
 from pipeline.server.choices import Choice, completion_body, usage
-from pipeline.server.errors import error_body
+from pipeline.server.errors import arrival_time, error_body
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
 from pipeline.server.prompts import Prompt, fit_max_tokens
@@ -62,7 +62,12 @@ async def completions(request: Request) -> Response:
             fields.params, len(prompt), state.max_model_len, given=fields.max_tokens_given
         )
         params.extend(copy_params(fitted, n))
-    streams = await admit(state.running_engine(), [p for p in prompts for _ in range(n)], params)
+    streams = await admit(
+        state.running_engine(),
+        [p for p in prompts for _ in range(n)],
+        params,
+        arrival_time(request),
+    )
     texts = TokenTexts(state.tokenizer)
     echoes = [_echo_text(state, raw, ids) if fields.echo else None for raw, ids in zip(
         parsed.prompts, prompts, strict=True

@@ -100,6 +100,14 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
+def arrival_time(request: Request) -> float | None:
+    """When the guard middleware received this HTTP request (``time.monotonic()``), or
+    ``None`` outside it: the arrival time of the engine requests it makes, so that
+    queue time and TTFT include reading, parsing and tokenizing the body."""
+    value = request.scope.get("state", {}).get("kvstep_arrival")
+    return value if isinstance(value, float) else None
+
+
 def request_id(request: Request) -> str:
     """The id the guard middleware gave this HTTP request (``-`` outside it)."""
     rid: str = request.scope.get("state", {}).get("kvstep_request_id", "-")

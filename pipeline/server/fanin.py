@@ -59,13 +59,17 @@ def copy_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 async def admit(
-    engine: AsyncEngine, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+    engine: AsyncEngine,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    arrival_time: float | None = None,
 ) -> list[RequestStream]:
-    """One engine request per (prompt, params), in order; all or none are admitted."""
+    """One engine request per (prompt, params), in order; all or none are admitted.
+    ``arrival_time``: when the HTTP request arrived (``time.monotonic()``)."""
     streams: list[RequestStream] = []
     try:
         for prompt, one in zip(prompts, params, strict=True):
-            streams.append(engine.generate(prompt, one))
+            streams.append(engine.generate(prompt, one, arrival_time=arrival_time))
     except BaseException:
         for admitted in streams:  # all or none: abort the requests already admitted
             await admitted.aclose()
@@ -197,10 +201,8 @@ class FanInStream(StreamingResponse):
                 await stream.aclose()
 
     async def _pump(self, index: int, stream: RequestStream) -> None:
-        previous: float | None = None  # the request's last token time, for ITL
         try:
             async for out in stream:
-                previous = self._state.metrics.observe_tokens(out, previous)
                 self._send.send_nowait((index, out))
                 if out.finished:
                     self._settled.add(index)
@@ -213,12 +215,14 @@ class FanInStream(StreamingResponse):
                 self._send.close()
 
     async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        previous: dict[int, float | None] = {}  # each request's last token time, for ITL
         async for index, item in self._receive:
             if isinstance(item, Exception):
                 self._failed = self._streams[index].request_id
                 raise item
             if not item.new_token_ids and not item.finished:
                 continue
+            previous[index] = self._state.metrics.observe_tokens(item, previous.get(index))
             if item.finished:
                 count_finished(self._state, item)
             yield index, item

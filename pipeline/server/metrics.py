@@ -175,20 +175,16 @@ class ServerMetrics:
         self.batch_tokens.inc(int(fields.get("num_tokens", 0) or 0))
 
     def observe_finished(self, out: RequestOutput) -> None:
-        """Account a request's last output: its finish reason and, from its metrics,
-        TTFT, time per output token (its mean inter-token latency; one sample per
-        request with two or more tokens), end-to-end latency, queue time and
-        prefix-cache tokens."""
+        """Account a request's last output as the route receives it: its finish reason
+        and end-to-end latency (from arrival to now), and from its metrics the time
+        per output token (its mean inter-token latency; one sample per request with
+        two or more tokens), queue time and prefix-cache tokens."""
         self.requests.labels(out.finish_reason or "unknown").inc()
         m = out.metrics
         if m is None:
             return
-        for histogram, value in (
-            (self.ttft, m.ttft_s),
-            (self.tpot, m.mean_itl_s),
-            (self.e2e, m.e2e_s),
-            (self.queue_time, m.queue_time_s),
-        ):
+        self.e2e.observe(max(0.0, time.monotonic() - m.arrival_time))
+        for histogram, value in ((self.tpot, m.mean_itl_s), (self.queue_time, m.queue_time_s)):
             if value is not None:
                 histogram.observe(max(0.0, value))
         if m.first_scheduled_time is not None:  # never looked up otherwise
@@ -196,22 +192,27 @@ class ServerMetrics:
             self.prefix_hits.inc(m.num_cached_tokens)
 
     def observe_tokens(self, out: RequestOutput, previous: float | None) -> float | None:
-        """Account the inter-token latency of ``out``'s new tokens: one sample per token
-        after a request's first, the time since the request's previous token
-        (``previous``, what the last call for this request returned) spread evenly over
-        the tokens that arrived together. Returns the time of ``out``'s last token, to
-        pass back with the request's next output."""
+        """Account an output as the route receives it, about to send it: with a
+        request's first tokens, its time to first token (from arrival to now: the
+        engine's TTFT plus delivery to the route); and the inter-token latency of
+        ``out``'s new tokens, one sample per token after the first, the time since
+        the request's previous token (``previous``, what the last call for this
+        request returned) spread evenly over the tokens that arrived together.
+        Returns the time of ``out``'s last token, to pass back with the request's
+        next output."""
         m = out.metrics
         if m is None or m.last_token_time is None or not out.new_token_ids:
             return previous
-        if previous is not None:
-            count = len(out.new_token_ids)
+        count = len(out.new_token_ids)
+        if previous is None:
+            self.ttft.observe(max(0.0, time.monotonic() - m.arrival_time))
+            if count > 1 and m.first_token_time is not None:
+                gap = max(0.0, m.last_token_time - m.first_token_time) / (count - 1)
+                for _ in range(count - 1):
+                    self.itl.observe(gap)
+        else:
             gap = max(0.0, m.last_token_time - previous) / count
             for _ in range(count):
-                self.itl.observe(gap)
-        elif len(out.new_token_ids) > 1 and m.first_token_time is not None:
-            gap = max(0.0, m.last_token_time - m.first_token_time) / (len(out.new_token_ids) - 1)
-            for _ in range(len(out.new_token_ids) - 1):
                 self.itl.observe(gap)
         return m.last_token_time
 

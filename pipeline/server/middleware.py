@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import os
+import time
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -46,7 +47,9 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         rid = f"{self._prefix}-{next(self._ids)}"
-        scope.setdefault("state", {})["kvstep_request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["kvstep_request_id"] = rid
+        state["kvstep_arrival"] = time.monotonic()  # the engine requests' arrival_time
         started = False
 
         async def send_with_id(message: Message) -> None:

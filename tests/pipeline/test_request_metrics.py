@@ -202,3 +202,63 @@ class TestTrace:
         assert begin["args"]["queue_s"] > 0
         assert begin["args"]["ttft_s"] >= begin["args"]["queue_s"]
         assert min(e["ts"] for e in events if "ts" in e) == 0
+
+
+class TestArrivalTime:
+    @pytest.mark.anyio
+    async def test_given_arrival_counts_in_queue_time_and_ttft(self) -> None:
+        """``AsyncEngine.generate(arrival_time=...)``: a request that arrived 0.5 s before
+        it was admitted has that half second in its queue time, TTFT and E2E."""
+        import time
+
+        async with AsyncEngine(EngineConfig(max_model_len=128)) as engine:
+            arrived = time.monotonic() - 0.5
+            outs = [
+                out async for out in engine.generate([1, 2, 3], _params(2), arrival_time=arrived)
+            ]
+        m = outs[-1].metrics
+        assert m is not None and m.arrival_time == arrived
+        assert m.queue_time_s is not None and m.queue_time_s >= 0.5
+        assert (m.ttft_s or 0.0) >= 0.5 and (m.e2e_s or 0.0) >= 0.5
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("bad", [True, float("nan"), -1.0, "0", 1e30])
+    async def test_bad_arrival_time_is_refused(self, bad: object) -> None:
+        """A bool, NaN, a negative, a string or a time in the future is an
+        ``InvalidRequestError`` naming ``arrival_time``; nothing is queued."""
+        from pipeline.errors import InvalidRequestError
+
+        async with AsyncEngine(EngineConfig(max_model_len=128)) as engine:
+            with pytest.raises(InvalidRequestError, match="arrival_time"):
+                engine.generate([1, 2, 3], _params(2), arrival_time=bad)  # type: ignore[arg-type]
+            assert engine.num_requests == 0
+            assert engine.leak_report()["requests"] == 0
+
+    @pytest.mark.anyio
+    async def test_server_counts_from_the_http_arrival(self) -> None:
+        """The server's requests arrive when the HTTP request did: a body that takes
+        0.3 s to upload is in the request's queue time on /metrics."""
+        import anyio
+
+        from pipeline.server import create_app
+
+        async def slow_body():  # type: ignore[no-untyped-def]
+            yield b'{"prompt": [1, 2, 3], "max_tokens": 2, '
+            await anyio.sleep(0.3)
+            yield b'"temperature": 0.0, "ignore_eos": true}'
+
+        async with AsyncEngine(EngineConfig(max_model_len=128)) as engine:
+            app = create_app(engine)
+            async with app.router.lifespan_context(app):
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://k") as c:
+                    response = await c.post(
+                        "/v1/completions",
+                        content=slow_body(),
+                        headers={"content-type": "application/json"},
+                    )
+                    assert response.status_code == 200, response.text
+                    text = (await c.get("/metrics")).text
+        assert _count(text, "kvstep_request_queue_time_seconds_count") == 1
+        assert _count(text, "kvstep_request_queue_time_seconds_sum") >= 0.3
+        assert _count(text, "kvstep_time_to_first_token_seconds_sum") >= 0.3
