@@ -60,12 +60,17 @@ Why the two sides differ, and which way:
   before the server's event loop reads the request (it also runs the engine's step
   loop, and the forward's thread competes with it for the GIL), the chunk's way out,
   and this process's own event loop. That is a few milliseconds whatever the TTFT: in
-  the recorded run (the defaults, ``builtin:tiny`` on 2 CPUs, load average 1.3-2.4)
-  the client's mean TTFT was 5.8 ms (8%) above the server's and its mean E2E 6.9 ms
-  above, while the mean TPOT and ITL agreed to 0.1%. A workload whose TTFT is a few
-  tens of milliseconds therefore cannot agree within 10% on TTFT (with 250-token
-  prompts at 4/s: TTFT p50 24 ms client, 17 ms server); the defaults' prompts are long
-  enough for prefill to dominate.
+  the recorded run (the defaults, ``builtin:tiny`` on 2 CPUs, load average 0.9-2.3)
+  the client's mean TTFT was 6.3 ms (8%) above the server's (p50 -9.4%, inside 10% but
+  not by much) and its mean E2E 7.3 ms above, while the mean TPOT agreed exactly and
+  the mean ITL to 0.6%. 5 requests/s is close to what the box sustains: the same run
+  with a short test suite running beside it fell behind (4.6 requests/s done, TTFT p50
+  1 s), and agreed all the same (TTFT p50 -6.4%). A workload whose TTFT is a few
+  tens of milliseconds cannot agree within 10% on TTFT: with 250-token prompts at 4/s
+  (``--prefix-words 16,128 --suffix-words 4,64 --output-tokens 8,40``) the TTFT p50 was
+  19.8 ms at the client and 15.1 ms at the server (-23.6%; means 4.7 ms apart), while
+  TPOT, ITL and E2E agreed within 3% at p50 and 8% at p99. The defaults' prompts are
+  long enough for prefill to dominate.
 * **Buckets.** Interpolation assumes the samples spread evenly over the bucket that holds
   the rank. The server's step and request histograms use Renard's R20 bounds, 20 per
   decade, at most 14% apart, so a quantile's bucket error is under that and usually a

@@ -30,7 +30,7 @@ from pipeline.request import RequestOutput
 from pipeline.server.body import read_body
 from pipeline.server.choices import Choice, chat_body, usage
 from pipeline.server.completions import model_not_found
-from pipeline.server.errors import arrival_time
+from pipeline.server.errors import arrival_time, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
 from pipeline.server.prompts import fit_max_tokens
@@ -58,6 +58,7 @@ async def chat_completions(request: Request) -> Response:
     _check_max_completion_tokens(body)
     messages = parse_messages(body.get("messages"))
     fields = parse_shared_fields(body, endpoint="chat")
+    note_ignored_fields(request, fields.ignored)
     if fields.model is not None and fields.model != state.model_name:
         return model_not_found(state, fields.model)
     text = render_chat(state.tokenizer, messages)

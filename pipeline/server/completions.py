@@ -31,7 +31,7 @@ from pipeline.errors import InvalidRequestError
 from pipeline.request import RequestOutput
 from pipeline.server.body import read_body
 from pipeline.server.choices import Choice, completion_body, usage
-from pipeline.server.errors import arrival_time, error_body
+from pipeline.server.errors import arrival_time, error_body, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
 from pipeline.server.prompts import Prompt, fit_max_tokens
@@ -51,6 +51,7 @@ async def completions(request: Request) -> Response:
         return body
     parsed = parse_completion_request(body, max_prompt_tokens=state.max_model_len)
     fields = parsed.fields
+    note_ignored_fields(request, fields.ignored)
     if fields.model is not None and fields.model != state.model_name:
         return model_not_found(state, fields.model)
     refuse_stop_without_tokenizer(state, fields)

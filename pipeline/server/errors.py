@@ -8,6 +8,7 @@ request id, while the detail (worker PIDs, exception text) goes to the log only.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -106,6 +107,25 @@ def arrival_time(request: Request) -> float | None:
     queue time and TTFT include reading, parsing and tokenizing the body."""
     value = request.scope.get("state", {}).get("kvstep_arrival")
     return value if isinstance(value, float) else None
+
+
+def note_ignored_fields(request: Request, names: tuple[str, ...]) -> None:
+    """Have the guard middleware name ``names`` (a body's ignored fields) in the
+    response's ``X-Kvstep-Ignored-Fields`` header."""
+    if names:
+        request.scope.setdefault("state", {})["kvstep_ignored_fields"] = names
+
+
+def ignored_fields_header(names: object) -> bytes | None:
+    """The ``X-Kvstep-Ignored-Fields`` value of ``names``: at most 20, comma-separated,
+    each escaped to printable ASCII (JSON string escapes; no control character can end
+    the header), then ``... (N more)``; ``None`` when there are none."""
+    if not isinstance(names, tuple) or not names:
+        return None
+    shown = [json.dumps(str(name)[:64])[1:-1].replace(",", "\\u002c") for name in names[:20]]
+    if len(names) > 20:
+        shown.append(f"... ({len(names) - 20} more)")
+    return ", ".join(shown).encode("ascii")
 
 
 def request_id(request: Request) -> str:

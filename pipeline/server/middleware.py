@@ -17,7 +17,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.logs import get_logger
-from pipeline.server.errors import error_response
+from pipeline.server.errors import error_response, ignored_fields_header
 
 __all__ = ["GuardMiddleware"]
 
@@ -58,6 +58,9 @@ class GuardMiddleware:
                 started = True
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", rid.encode()))
+                ignored = ignored_fields_header(state.get("kvstep_ignored_fields"))
+                if ignored is not None:
+                    headers.append((b"x-kvstep-ignored-fields", ignored))
                 message = {**message, "headers": headers}
             await send(message)
 

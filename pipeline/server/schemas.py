@@ -17,7 +17,8 @@ only with ``logprobs`` true). Fields that would change what is generated but tha
 does not implement (``suffix``, ``use_beam_search``, guided decoding, chat's ``echo``,
 ...) are refused with a 400 naming them, unless they hold their neutral value
 (``"suffix": ""``, ``"echo": false``), which clients often send. Other unknown fields
-are ignored and named in a warning log, never silently.
+are ignored, named in a warning log and in the response's ``X-Kvstep-Ignored-Fields``
+header (at most 20 names, escaped to printable ASCII), never silently.
 
 Penalties and biases: ``presence_penalty`` and ``frequency_penalty`` (OpenAI, [-2, 2]),
 ``logit_bias`` (OpenAI: an object of token id strings to biases in [-100, 100], at most
@@ -94,6 +95,8 @@ class SharedFields:
         logprobs: Alternatives to show per generated token, or ``None``: no logprobs.
         prompt_logprobs: vLLM's ``prompt_logprobs`` as asked (``None``: not shown).
         echo: Completions' ``echo`` (always false for chat).
+        ignored: The body's unknown field names, sorted (ignored, not refused; the
+            response names them in its ``X-Kvstep-Ignored-Fields`` header).
     """
 
     model: str | None
@@ -105,6 +108,7 @@ class SharedFields:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     echo: bool = False
+    ignored: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -143,7 +147,7 @@ def parse_shared_fields(
     """The fields both endpoints take, checked strictly (the endpoint decides what
     ``logprobs`` means); raises ``InvalidRequestError`` naming the bad field. The body's
     field names are checked first: unsupported ones refused, unknown ones logged."""
-    _refuse_unsupported(body, _ENDPOINT_KNOWN[endpoint])
+    ignored = _refuse_unsupported(body, _ENDPOINT_KNOWN[endpoint])
     n = f.choices_n(body.get("n"))
     f.best_of(body.get("best_of"), n)
     model = f.optional(body, "model", str, "a string")
@@ -195,6 +199,7 @@ def parse_shared_fields(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         echo=echo,
+        ignored=ignored,
     )
 
 
@@ -210,7 +215,11 @@ def _logprobs(body: dict[Any, Any], endpoint: str) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _refuse_unsupported(body: dict[Any, Any], extra_known: frozenset[str] = frozenset()) -> None:
+def _refuse_unsupported(
+    body: dict[Any, Any], extra_known: frozenset[str] = frozenset()
+) -> tuple[str, ...]:
+    """Refuse the fields kvstep knows but does not implement (unless neutral); return
+    the unknown ones, sorted, after logging them."""
     ignored = []
     for key, value in body.items():
         if key in _KNOWN or key in extra_known:
@@ -222,6 +231,7 @@ def _refuse_unsupported(body: dict[Any, Any], extra_known: frozenset[str] = froz
             ignored.append(f.field_name(key))
     if ignored:
         _log.warning("request_fields_ignored", fields=sorted(ignored)[:20], count=len(ignored))
+    return tuple(sorted(ignored))
 
 
 def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:

@@ -441,3 +441,33 @@ class TestFormatting:
         """n=2 over two prompts: prompt tokens once per prompt, completion tokens summed."""
         outs = [self._out(), self._out(), self._out(prompt_token_ids=(1,)), self._out()]
         assert usage(outs, 2) == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+
+
+class TestIgnoredFields:
+    @pytest.mark.anyio
+    @pytest.mark.parametrize(("path", "make"), [(CMPL, _cmpl), (CHAT, _chat)])
+    @pytest.mark.parametrize("stream", [False, True])
+    async def test_unknown_fields_are_named_in_a_header(
+        self, tiny: EngineConfig, path: str, make: Any, stream: bool
+    ) -> None:
+        """Unknown fields are ignored, never silently: the response names them in
+        ``X-Kvstep-Ignored-Fields`` (escaped: a name cannot break the header)."""
+        body = make(max_tokens=2, stream=stream, frobnicate=1, **{"evil\r\nX-Set: 1,2": 0})
+        async with AsyncEngine(tiny) as engine, client_for(create_app(engine)) as client:
+            resp = await client.post(path, json=body)
+            plain = await client.post(path, json=make(max_tokens=2, stream=stream))
+        assert resp.status_code == 200, resp.text
+        header = resp.headers["x-kvstep-ignored-fields"]
+        assert header == "evil\\r\\nX-Set: 1\\u002c2, frobnicate"
+        assert "x-set" not in resp.headers
+        assert "x-kvstep-ignored-fields" not in plain.headers
+
+    def test_the_header_is_capped(self) -> None:
+        from pipeline.server.errors import ignored_fields_header
+
+        names = tuple(f"f{i:02d}" for i in range(25))
+        value = ignored_fields_header(names)
+        assert value is not None
+        assert value.decode().split(", ")[-1] == "... (5 more)"
+        assert value.decode().count(", ") == 20
+        assert ignored_fields_header(()) is None
