@@ -16,10 +16,11 @@ import attrs
 
 from connectors.base import KVConnectorRole, KVConnectorScheduler
 from connectors.registry import create_connector, get_connector
-from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
+from pipeline.artifacts import EngineStepOutput, SchedulerOutput
 from pipeline.checks import check_float
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.engine.output_text import OutputText
+from pipeline.engine.step_record import record_engine_step
 from pipeline.errors import EngineDeadError, InvalidRequestError, StepCancelledError
 from pipeline.executors.backends import start_executor
 from pipeline.executors.protocol import Executor
@@ -51,23 +52,6 @@ def _uncancel() -> None:
         return
     if task is not None and task.cancelling():
         task.uncancel()
-
-
-def _request_times(outputs: Iterable[RequestOutput]) -> dict[str, list[float | None]]:
-    """``{req_id: [arrival, first_scheduled, first_token]}`` as unix times, for the
-    finished ``outputs`` (the step log's ``request_times``; the trace starts request
-    spans at arrival from it)."""
-    offset = time.time() - time.monotonic()
-    times: dict[str, list[float | None]] = {}
-    for out in outputs:
-        m = out.metrics
-        if not out.finished or m is None:
-            continue
-        times[out.request_id] = [
-            None if t is None else round(t + offset, 6)
-            for t in (m.arrival_time, m.first_scheduled_time, m.first_token_time)
-        ]
-    return times
 
 
 class EngineCore:
@@ -294,7 +278,7 @@ class EngineCore:
             finally:
                 self._add_text(ctx)
                 if ctx.report is not None:
-                    self._log_step(ctx)
+                    record_engine_step(self.step_log, ctx)
         return ctx.get(EngineStepOutput)
 
     def _add_text(self, ctx: StepContext) -> None:
@@ -313,31 +297,6 @@ class EngineCore:
                 f"worker rank {failure.rank} died: {failure.reason}; "
                 f"the {self.config.executor} executor cannot run another step"
             ) from failure
-
-    def _log_step(self, ctx: StepContext) -> None:
-        assert ctx.report is not None
-        so = ctx.maybe(SchedulerOutput)
-        merged = ctx.maybe(FanInOutput)
-        out = ctx.maybe(EngineStepOutput)
-        finished = [o.request_id for o in out.outputs if o.finished] if out is not None else []
-        request_times = _request_times(out.outputs) if finished and out is not None else {}
-        stats = out.stats if out is not None else None
-        self.step_log.record_step(
-            ctx.report,
-            kind="engine",
-            scheduler_step_id=so.step_id if so is not None else None,
-            batch_size=len(so.requests) if so is not None else 0,
-            requests=[r.req_id for r in so.requests] if so is not None else [],
-            num_tokens=so.total_num_scheduled_tokens if so is not None else 0,
-            loaded_tokens=stats.loaded_tokens if stats else 0,
-            loaded_bytes=stats.loaded_bytes if stats else 0,
-            saved_tokens=stats.saved_tokens if stats else 0,
-            saved_bytes=stats.saved_bytes if stats else 0,
-            finished=finished,
-            request_times=request_times,
-            load_error_blocks=len(merged.invalid_block_ids) if merged is not None else 0,
-            failed_save_requests=sorted(merged.failed_save_req_ids) if merged is not None else [],
-        )
 
     # ------------------------------------------------------------ introspection
 

@@ -1,0 +1,58 @@
+"""The engine step's record in the step log (:class:`~pipeline.steplog.StepLog`): what
+the step scheduled, merged and finished, and the finished requests' times."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
+from pipeline.kernel.context import StepContext
+from pipeline.request import RequestOutput
+from pipeline.steplog import StepLog
+
+__all__ = ["record_engine_step"]
+
+
+def record_engine_step(step_log: StepLog, ctx: StepContext) -> None:
+    """Record the engine step of ``ctx`` (its report must be set) in ``step_log``."""
+    assert ctx.report is not None
+    so = ctx.maybe(SchedulerOutput)
+    merged = ctx.maybe(FanInOutput)
+    out = ctx.maybe(EngineStepOutput)
+    finished = [o.request_id for o in out.outputs if o.finished] if out is not None else []
+    request_times = _request_times(out.outputs) if finished and out is not None else {}
+    stats = out.stats if out is not None else None
+    step_log.record_step(
+        ctx.report,
+        kind="engine",
+        scheduler_step_id=so.step_id if so is not None else None,
+        batch_size=len(so.requests) if so is not None else 0,
+        requests=[r.req_id for r in so.requests] if so is not None else [],
+        num_tokens=so.total_num_scheduled_tokens if so is not None else 0,
+        loaded_tokens=stats.loaded_tokens if stats else 0,
+        loaded_bytes=stats.loaded_bytes if stats else 0,
+        saved_tokens=stats.saved_tokens if stats else 0,
+        saved_bytes=stats.saved_bytes if stats else 0,
+        finished=finished,
+        request_times=request_times,
+        load_error_blocks=len(merged.invalid_block_ids) if merged is not None else 0,
+        failed_save_requests=sorted(merged.failed_save_req_ids) if merged is not None else [],
+    )
+
+
+def _request_times(outputs: Iterable[RequestOutput]) -> dict[str, list[float | None]]:
+    """``{req_id: [arrival, first_scheduled, first_token]}`` as unix times, for the
+    finished ``outputs`` (the step log's ``request_times``; the trace starts request
+    spans at arrival from it)."""
+    offset = time.time() - time.monotonic()
+    times: dict[str, list[float | None]] = {}
+    for out in outputs:
+        m = out.metrics
+        if not out.finished or m is None:
+            continue
+        times[out.request_id] = [
+            None if t is None else round(t + offset, 6)
+            for t in (m.arrival_time, m.first_scheduled_time, m.first_token_time)
+        ]
+    return times
