@@ -49,6 +49,7 @@ _BUILTIN_MODULES: Mapping[str, str] = {
     "offload": "connectors.offload",
     "redis": "connectors.redis_store",
     "multi": "connectors.multi",
+    "nixl": "connectors.nixl",
 }
 
 _lock = threading.RLock()

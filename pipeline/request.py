@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import attrs
 
@@ -105,7 +106,9 @@ class Request:
         self.finished_time: float | None = None
         self.block_hashes: list[bytes] = []
         self.error: str | None = None
-        self.kv_transfer_params: dict[str, object] | None = None
+        # Set at admission (checked, a copy) for the connector to read; replaced by
+        # what the connector's ``request_finished`` returned once the request finishes.
+        self.kv_transfer_params: dict[str, Any] | None = None
         # One entry per output token when ``sampling_params.logprobs`` is set.
         self.logprobs: list[TokenLogprob] | None = None if sampling_params.logprobs is None else []
         # When ``sampling_params.prompt_logprobs`` is set: entry i belongs to prompt
@@ -257,6 +260,10 @@ class RequestOutput:
             logprob of prompt token i given the tokens before it; present on every
             output once the whole prompt was computed, ``None`` before (and on the
             final output of a request that failed before that).
+        kv_transfer_params: On the final output: what the KV connector's
+            ``request_finished`` returned for the request (vLLM's disaggregated
+            prefill/decode hands it to the next engine); ``None`` on every other output,
+            and without a connector. Not part of the hash.
     """
 
     request_id: str
@@ -274,3 +281,4 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    kv_transfer_params: dict[str, Any] | None = attrs.field(default=None, hash=False)

@@ -1,4 +1,4 @@
-"""The ``kvstep`` command line: ``run``, ``logs`` and ``serve``.
+"""The ``kvstep`` command line: ``run``, ``logs``, ``serve`` and ``proxy``.
 
 Every ``EngineConfig`` field is also a flag of ``run`` and ``serve``
 (``--max-num-seqs 8``, ``--no-enable-prefix-caching``, ``--connector-options '{...}'``).
@@ -81,7 +81,7 @@ def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvstep`` argument parser (sub-commands ``run``, ``logs``, ``serve``)."""
+    """The ``kvstep`` argument parser (sub-commands ``run``, ``logs``, ``serve``, ``proxy``)."""
     parser = argparse.ArgumentParser(prog="kvstep", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     _add_server_flags(serve)
+
+    proxy = sub.add_parser(
+        "proxy", help="route each request to a prefill server, then a decode server"
+    )
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    proxy.add_argument("--port", type=int, default=8000, help="port to listen on")
+    _add_proxy_flags(proxy)
     finish_help(parser)
     return parser
 
@@ -202,6 +209,27 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_server_flags(parser)
 
 
+def _add_proxy_flags(parser: argparse.ArgumentParser) -> None:
+    try:
+        from pipeline.proxy import add_proxy_flags
+    except ImportError:  # no server extra: `proxy` says so when it runs
+        return
+    add_proxy_flags(parser)
+    _add_server_flags(parser)
+
+
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    try:
+        from pipeline.proxy import proxy_options, serve_proxy
+        from pipeline.server import server_options
+    except ImportError as exc:
+        return _missing_server_extra(exc)
+    access = {"access_log": True} if getattr(args, "access_log", False) else {}
+    with cli_logging(logging.INFO):  # the ready line and upstream failures on stderr
+        serve_proxy(proxy_options(args), args.host, args.port, server_options(args), **access)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(**_config_fields(args))
     try:
@@ -241,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own errors (which exit with status 2).
     """
     args = build_parser().parse_args(argv)
-    commands = {"run": _cmd_run, "logs": _cmd_logs, "serve": _cmd_serve}
+    commands = {"run": _cmd_run, "logs": _cmd_logs, "serve": _cmd_serve, "proxy": _cmd_proxy}
     try:
         return commands[args.command](args)
     except InvalidConfigError as exc:

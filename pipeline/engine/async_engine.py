@@ -27,6 +27,7 @@ from pipeline.errors import (
 )
 from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
+from pipeline.transfer_params import check_transfer_params
 
 __all__ = ["AsyncEngine", "RequestStream"]
 
@@ -195,6 +196,7 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Admit one request; iterate the result for its outputs.
 
@@ -207,8 +209,15 @@ class AsyncEngine:
         e.g. when a server received it: the request's queue time and TTFT
         (``RequestOutput.metrics``) count from there.
 
+        ``kv_transfer_params`` (vLLM's disaggregated prefill/decode) is the request's
+        data for the KV connector, which reads it as ``Request.kv_transfer_params``: a
+        small JSON object, checked and copied here (the caller may reuse its dict). The
+        final output's ``kv_transfer_params`` is what the connector's
+        ``request_finished`` returned.
+
         Raises at once (before anything is queued): ``InvalidRequestError`` for a bad
-        prompt or parameters (a ``dict`` where ``SamplingParams`` is expected),
+        prompt, parameters (a ``dict`` where ``SamplingParams`` is expected) or
+        ``kv_transfer_params`` (:mod:`pipeline.transfer_params`),
         ``EngineOverloaded`` past ``max_queue_depth``, ``EngineDeadError`` when the step
         loop has died, ``EngineNotStartedError`` before ``async with`` or after it.
         """
@@ -218,6 +227,7 @@ class AsyncEngine:
         check_sampling_params(params)
         check_one_prompt(prompt)
         token_ids = core.validate_prompt(prompt)
+        transfer = check_transfer_params(kv_transfer_params)
         params = SamplingParams() if params is None else params
         if len(self._streams) >= self.config.max_queue_depth:
             raise EngineOverloaded(len(self._streams), self.config.max_queue_depth)
@@ -227,7 +237,7 @@ class AsyncEngine:
                 "request_id", request_id, "must be unique among live requests"
             )
         stream = RequestStream(self, request_id)
-        core.add_request(request_id, token_ids, params, arrival_time)
+        core.add_request(request_id, token_ids, params, arrival_time, kv_transfer_params=transfer)
         self._streams[request_id] = stream
         self._wakeup.set()
         return stream

@@ -10,6 +10,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import anyio
 import attrs
@@ -32,6 +33,7 @@ from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.tokenizer import load_tokenizer
+from pipeline.transfer_params import check_transfer_params
 from stages.fan_in import FanInAggregator
 from stages.forward.builtin import tokenizer_dir
 from stages.graphs import default_engine_graph
@@ -188,19 +190,27 @@ class EngineCore:
         prompt: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        *,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         """Admit one request (its prompt already validated).
 
         Args:
             arrival_time: When the request arrived (``time.monotonic()``; default now):
                 its queue time and TTFT count from there.
+            kv_transfer_params: The request's data for the KV connector: checked, and a
+                copy set on ``Request.kv_transfer_params`` before the scheduler sees the
+                request (:mod:`pipeline.transfer_params`). It stays in this process;
+                workers get only what the connector's metadata carries.
 
         Raises:
             InvalidRequestError: ``params`` is not a ``SamplingParams`` the workers'
                 decoder accepts (e.g. altered after it was checked); ``arrival_time``
-                is not a finite time in the past.
+                is not a finite time in the past; ``kv_transfer_params`` is not a small
+                JSON object.
         """
         self.validate_params(params)
+        transfer = check_transfer_params(kv_transfer_params)
         now = time.monotonic()
         if arrival_time is not None:
             arrival_time = check_float(
@@ -216,6 +226,7 @@ class EngineCore:
             eos_token_id=eos,
             arrival_time=now if arrival_time is None else arrival_time,
         )
+        request.kv_transfer_params = transfer
         self.scheduler.add_request(request)
         self.output_text.add(request_id, params)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -19,6 +19,7 @@ from pipeline.engine.core import GraphArg
 from pipeline.engine.inputs import as_prompt_list, check_sampling_params
 from pipeline.errors import EngineDeadError, InvalidRequestError
 from pipeline.request import RequestOutput
+from pipeline.transfer_params import transfer_params_per_prompt
 
 __all__ = ["LLM"]
 
@@ -74,6 +75,8 @@ class LLM:
         self,
         prompts: Sequence[Sequence[int] | str] | Sequence[int] | str,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        kv_transfer_params: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs are in prompt order.
 
@@ -86,12 +89,19 @@ class LLM:
         engine has a tokenizer and ``detokenize`` is on, its ``text`` (a ``stop``
         string ends it with ``finish_reason="stop"`` and ``stop_reason``).
 
+        ``kv_transfer_params`` (vLLM's disaggregated prefill/decode) is each request's
+        data for the KV connector: one dict for a single prompt, or a list of one dict
+        (or ``None``) per prompt; each is checked and copied
+        (:mod:`pipeline.transfer_params`). A result's ``kv_transfer_params`` is what the
+        connector's ``request_finished`` returned for it.
+
         A request that fails ends with ``finish_reason="error"``; the others complete.
         Bad input raises before any prompt is queued.
 
         Raises:
-            InvalidRequestError: A bad prompt or parameters (nothing was queued): an empty
-                list, a ``dict`` (or anything else) where ``SamplingParams`` is expected.
+            InvalidRequestError: A bad prompt, parameters or ``kv_transfer_params``
+                (nothing was queued): an empty list, a ``dict`` (or anything else) where
+                ``SamplingParams`` is expected, one transfer dict for several prompts.
             EngineDeadError: The engine died (a worker process or actor is gone).
         """
         prompt_list = as_prompt_list(prompts)
@@ -107,17 +117,24 @@ class LLM:
         for each in per_prompt:
             self.engine.core.validate_params(each)
         checked = [self.engine.core.validate_prompt(p) for p in prompt_list]
-        return self._portal.call(self._generate, checked, per_prompt)
+        transfers = transfer_params_per_prompt(kv_transfer_params, len(prompt_list))
+        return self._portal.call(self._generate, checked, per_prompt, transfers)
 
     async def _generate(
-        self, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        transfers: list[dict[str, Any] | None],
     ) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(prompts)
         limit = anyio.Semaphore(self.config.max_queue_depth)
 
         async def one(index: int) -> None:
             async with limit:
-                async for out in self.engine.generate(prompts[index], params[index]):
+                stream = self.engine.generate(
+                    prompts[index], params[index], kv_transfer_params=transfers[index]
+                )
+                async for out in stream:
                     results[index] = out
 
         try:

@@ -223,10 +223,15 @@ class OutputText:
         return tuple(result)
 
     def _stop(self, outputs: list[RequestOutput], ids: list[str]) -> list[RequestOutput]:
-        """Stop ``ids`` in the scheduler; their outputs take the final metrics."""
+        """Stop ``ids`` in the scheduler; their outputs take the final metrics and the
+        connector's ``kv_transfer_params``."""
         final = {out.request_id: out for out in self._stop_requests(ids)}
         return [
-            attrs.evolve(out, metrics=final[out.request_id].metrics)
+            attrs.evolve(
+                out,
+                metrics=final[out.request_id].metrics,
+                kv_transfer_params=final[out.request_id].kv_transfer_params,
+            )
             if out.request_id in final
             else out
             for out in outputs

@@ -12,7 +12,8 @@ A message's ``content`` is a string or a list of ``{"type": "text", "text": ...}
 ``n`` choices are ``n`` requests of the one prompt (see :mod:`pipeline.server.fanin`); a
 stream starts with each choice's role chunk. ``logprobs: true`` (with ``top_logprobs``
 alternatives) gives each choice ``logprobs.content``; vLLM's ``prompt_logprobs``
-(non-streaming only) is a field of the response, as in vLLM.
+(non-streaming only) is a field of the response, as in vLLM; so is
+``kv_transfer_params`` (see :mod:`pipeline.server.completions`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from starlette.responses import JSONResponse, Response
 from pipeline.errors import InvalidRequestError
 from pipeline.request import RequestOutput
 from pipeline.server.body import read_body
-from pipeline.server.choices import Choice, chat_body, usage
+from pipeline.server.choices import (
+    Choice,
+    chat_body,
+    transfer_params,
+    usage,
+    with_transfer_params,
+)
 from pipeline.server.completions import model_not_found
 from pipeline.server.errors import arrival_time, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
@@ -68,7 +75,11 @@ async def chat_completions(request: Request) -> Response:
     )
     n = fields.n
     streams = await admit(
-        state.running_engine(), [prompt] * n, copy_params(params, n), arrival_time(request)
+        state.running_engine(),
+        [prompt] * n,
+        copy_params(params, n),
+        arrival_time(request),
+        fields.kv_transfer_params,
     )
     texts = TokenTexts(state.tokenizer)
     choices = [Choice(i, texts, logprobs=fields.logprobs) for i in range(n)]
@@ -80,6 +91,7 @@ async def chat_completions(request: Request) -> Response:
         return finals
     bodies = [choice.chat(out, whole=True) for choice, out in zip(choices, finals, strict=True)]
     reply = chat_body(rid, state.model_name, bodies, usage_=usage(finals, n))
+    reply["kv_transfer_params"] = transfer_params(finals)
     if fields.prompt_logprobs is not None:  # vLLM: one prompt, so a field of the response
         reply["prompt_logprobs"] = prompt_logprobs_json(
             finals[0].prompt_token_ids, finals[0].prompt_logprobs, texts
@@ -99,7 +111,10 @@ async def _render(
     created = int(time.time())
 
     def event(chunk: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> str:
-        return sse(chat_body(rid, state.model_name, chunk, created, chunk=True, usage_=usage_))
+        return sse(body(chunk, usage_))
+
+    def body(chunk: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
+        return chat_body(rid, state.model_name, chunk, created, chunk=True, usage_=usage_)
 
     for choice in choices:
         delta = {"role": "assistant", "content": ""}
@@ -109,7 +124,7 @@ async def _render(
     async for index, out in outputs:
         if out.finished:
             finals[index] = out
-        yield event([choices[index].chat(out)])
+        yield sse(with_transfer_params(body([choices[index].chat(out)]), out))
     if fields.include_usage and len(finals) == len(choices):
         yield event([], usage([finals[i] for i in range(len(choices))], fields.n))
     yield "data: [DONE]\n\n"

@@ -9,6 +9,10 @@ token ids in ``token_ids`` (an extension, as vLLM's ``return_token_ids``) and vL
 
 ``usage`` sums the completion tokens of every choice and counts each prompt's tokens
 once (not once per each of its ``n`` choices), as OpenAI does.
+
+vLLM's ``kv_transfer_params`` (what the KV connector's ``request_finished`` returned) is
+a top-level field: of a whole response (:func:`transfer_params`), and of each stream
+chunk that finishes a choice (:func:`with_transfer_params`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ from pipeline.server.logprobs_format import (
     completion_logprobs,
 )
 
-__all__ = ["Choice", "chat_body", "completion_body", "output_text", "usage"]
+__all__ = [
+    "Choice",
+    "chat_body",
+    "completion_body",
+    "output_text",
+    "transfer_params",
+    "usage",
+    "with_transfer_params",
+]
 
 
 def output_text(out: RequestOutput) -> str:
@@ -49,6 +61,19 @@ def usage(finals: Sequence[RequestOutput], n: int = 1) -> dict[str, int]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def transfer_params(finals: Sequence[RequestOutput]) -> dict[str, Any] | None:
+    """A whole response's ``kv_transfer_params``: its one request's (``None`` when the
+    response holds several, which a request with ``kv_transfer_params`` cannot)."""
+    return finals[0].kv_transfer_params if len(finals) == 1 else None
+
+
+def with_transfer_params(body: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
+    """``body`` (a stream chunk of ``out``), with ``kv_transfer_params`` if ``out`` is final."""
+    if out.finished:
+        body["kv_transfer_params"] = out.kv_transfer_params
+    return body
 
 
 class Choice:

@@ -14,6 +14,10 @@ choice's ``index``; a choice's chunks concatenate to its whole text. With
 its special tokens) before each choice's text (streaming: in the choice's first chunk);
 with ``logprobs``, the prompt tokens' logprobs come first, the first one ``null``, as in
 vLLM. ``prompt_logprobs`` (vLLM's, non-streaming only) is a field of each choice.
+
+vLLM's ``kv_transfer_params`` (one prompt, ``n`` 1) goes to the engine request; the
+response's top-level ``kv_transfer_params`` is the connector's answer (``null`` if none),
+in the chunk with the ``finish_reason`` when streaming.
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ from pipeline.detokenize import decode_ids_text
 from pipeline.errors import InvalidRequestError
 from pipeline.request import RequestOutput
 from pipeline.server.body import read_body
-from pipeline.server.choices import Choice, completion_body, usage
+from pipeline.server.choices import (
+    Choice,
+    completion_body,
+    transfer_params,
+    usage,
+    with_transfer_params,
+)
 from pipeline.server.errors import arrival_time, error_body, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
@@ -68,6 +78,7 @@ async def completions(request: Request) -> Response:
         [p for p in prompts for _ in range(n)],
         params,
         arrival_time(request),
+        fields.kv_transfer_params,
     )
     texts = TokenTexts(state.tokenizer)
     echoes = [_echo_text(state, raw, ids) if fields.echo else None for raw, ids in zip(
@@ -91,7 +102,9 @@ async def completions(request: Request) -> Response:
                 out.prompt_token_ids, out.prompt_logprobs, texts
             )
         bodies.append(one)
-    return JSONResponse(completion_body(rid, state.model_name, bodies, usage_=usage(finals, n)))
+    reply = completion_body(rid, state.model_name, bodies, usage_=usage(finals, n))
+    reply["kv_transfer_params"] = transfer_params(finals)
+    return JSONResponse(reply)
 
 
 def model_not_found(state: ServerState, model: str) -> Response:
@@ -133,7 +146,7 @@ async def _render(
         if out.finished:
             finals[index] = out
         chunk = [choices[index].completion(out)]
-        yield sse(completion_body(rid, state.model_name, chunk, created))
+        yield sse(with_transfer_params(completion_body(rid, state.model_name, chunk, created), out))
     if fields.include_usage and len(finals) == len(choices):
         last = [finals[i] for i in range(len(choices))]
         yield sse(completion_body(rid, state.model_name, [], created, usage(last, fields.n)))

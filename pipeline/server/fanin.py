@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from pipeline.config import SamplingParams
 from pipeline.engine.async_engine import AsyncEngine, RequestStream
-from pipeline.errors import EngineDeadError
+from pipeline.errors import EngineDeadError, InvalidRequestError
 from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
 from pipeline.server.body import CLIENT_CLOSED
@@ -63,13 +63,22 @@ async def admit(
     prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
     arrival_time: float | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> list[RequestStream]:
     """One engine request per (prompt, params), in order; all or none are admitted.
-    ``arrival_time``: when the HTTP request arrived (``time.monotonic()``)."""
+    ``arrival_time``: when the HTTP request arrived (``time.monotonic()``);
+    ``kv_transfer_params``: the one request's connector data (never shared by several)."""
+    if kv_transfer_params is not None and len(prompts) != 1:
+        raise InvalidRequestError(
+            "kv_transfer_params", f"<{len(prompts)} requests>", "belongs to one engine request"
+        )
     streams: list[RequestStream] = []
     try:
         for prompt, one in zip(prompts, params, strict=True):
-            streams.append(engine.generate(prompt, one, arrival_time=arrival_time))
+            stream = engine.generate(
+                prompt, one, arrival_time=arrival_time, kv_transfer_params=kv_transfer_params
+            )
+            streams.append(stream)
     except BaseException:
         for admitted in streams:  # all or none: abort the requests already admitted
             await admitted.aclose()

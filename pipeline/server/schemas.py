@@ -9,7 +9,10 @@ must be finite and lists are capped. Both endpoints take:
   and ``best_of`` (only ``null`` or ``n``: kvstep samples no extra candidates);
 - ``stop`` (a string or at most 16 strings; needs a tokenizer) and vLLM's
   ``include_stop_str_in_output``; each choice reports vLLM's ``stop_reason``;
-- vLLM's ``prompt_logprobs`` (0 to 20 alternatives per prompt token).
+- vLLM's ``prompt_logprobs`` (0 to 20 alternatives per prompt token);
+- vLLM's ``kv_transfer_params`` (disaggregated prefill/decode): a small JSON object for
+  the KV connector (see :mod:`pipeline.transfer_params` for the bounds), refused with
+  ``n`` > 1 or a batch of prompts; the response carries the connector's answer.
 
 Completions also take ``echo`` and ``logprobs`` (OpenAI caps it at 5; kvstep allows
 0 to 20, as vLLM); chat takes ``logprobs`` (true or false) and ``top_logprobs`` (0 to 20,
@@ -38,6 +41,7 @@ from pipeline.logs import get_logger
 from pipeline.server import fields as f
 from pipeline.server.errors import UnsupportedFieldError, short_value
 from pipeline.server.prompts import MAX_PROMPTS, Prompt, parse_prompts
+from pipeline.transfer_params import TRANSFER_PARAMS, check_transfer_params
 
 __all__ = ["CompletionRequest", "SharedFields", "parse_completion_request", "parse_shared_fields"]
 
@@ -66,18 +70,18 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
     "truncate_prompt_tokens": (),
-    "kv_transfer_params": (),
 }
 _KNOWN = frozenset(
     {"model", "stream", "stream_options", "n", "best_of", "user", "seed", "ignore_eos"}
     | {"stop", "include_stop_str_in_output", "prompt_logprobs", "stop_token_ids"}
-    | {"logit_bias", "logprobs", *_INTS, *_FLOATS}
+    | {"logit_bias", "logprobs", "kv_transfer_params", *_INTS, *_FLOATS}
 )
 _ENDPOINT_KNOWN = {
     "completions": frozenset({"prompt", "echo"}),
     "chat": frozenset({"messages", "top_logprobs"}),
 }
 _INT64 = f.INT64
+_ONE_REQUEST = "belongs to one engine request: it cannot be combined with {} (as vLLM)"
 
 
 @attrs.frozen(kw_only=True)
@@ -95,6 +99,8 @@ class SharedFields:
         logprobs: Alternatives to show per generated token, or ``None``: no logprobs.
         prompt_logprobs: vLLM's ``prompt_logprobs`` as asked (``None``: not shown).
         echo: Completions' ``echo`` (always false for chat).
+        kv_transfer_params: vLLM's ``kv_transfer_params``, checked and copied
+            (:mod:`pipeline.transfer_params`), or ``None``.
         ignored: The body's unknown field names, sorted (ignored, not refused; the
             response names them in its ``X-Kvstep-Ignored-Fields`` header).
     """
@@ -108,6 +114,7 @@ class SharedFields:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     echo: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
     ignored: tuple[str, ...] = ()
 
 
@@ -138,6 +145,10 @@ def parse_completion_request(body: object, *, max_prompt_tokens: int) -> Complet
             f"times the {len(prompts)} prompts gives {len(prompts) * shared.n} choices; "
             f"at most {MAX_PROMPTS} are served per request",
         )
+    if shared.kv_transfer_params is not None and len(prompts) > 1:
+        raise InvalidRequestError(
+            TRANSFER_PARAMS, f"<{len(prompts)} prompts>", _ONE_REQUEST.format("a batch of prompts")
+        )
     return CompletionRequest(prompts=prompts, fields=shared)
 
 
@@ -150,6 +161,9 @@ def parse_shared_fields(
     ignored = _refuse_unsupported(body, _ENDPOINT_KNOWN[endpoint])
     n = f.choices_n(body.get("n"))
     f.best_of(body.get("best_of"), n)
+    transfer = check_transfer_params(body.get(TRANSFER_PARAMS))
+    if transfer is not None and n > 1:
+        raise InvalidRequestError(TRANSFER_PARAMS, f"<with n={n}>", _ONE_REQUEST.format("n > 1"))
     model = f.optional(body, "model", str, "a string")
     f.optional(body, "user", str, "a string")
     stream = f.optional(body, "stream", bool, "true or false") or False
@@ -199,6 +213,7 @@ def parse_shared_fields(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         echo=echo,
+        kv_transfer_params=transfer,
         ignored=ignored,
     )
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
 import attrs
 
 from connectors.base import KVConnectorScheduler
+from pipeline.errors import InvalidRequestError
 from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
+from pipeline.transfer_params import check_transfer_params
 from stages.schedule.hashing import BlockHasher
 from stages.schedule.kv_manager import KVCacheManager
 
@@ -43,6 +46,7 @@ def make_output(request: Request, new_token_ids: tuple[int, ...]) -> RequestOutp
         prompt_logprobs=(
             request.prompt_logprobs if isinstance(request.prompt_logprobs, tuple) else None
         ),
+        kv_transfer_params=request.kv_transfer_params if request.is_finished else None,
     )
 
 
@@ -56,6 +60,17 @@ def _stop_reason(request: Request) -> int | None:
     if not params.ignore_eos and last == request.eos_token_id:
         return None
     return last if last in params.stop_token_ids else None
+
+
+def _returned_params(req_id: str, params: object) -> dict[str, Any] | None:
+    """A copy of the ``kv_transfer_params`` a connector returned (``None`` if not JSON)."""
+    try:
+        return check_transfer_params(params)
+    except InvalidRequestError as exc:
+        log.error(
+            "connector returned bad kv_transfer_params; dropped", req_id=req_id, error=str(exc)
+        )
+        return None
 
 
 @attrs.define(eq=False)
@@ -106,7 +121,10 @@ class SchedulerState:
         Removes it from its queue, asks the connector (``request_finished``) whether its
         blocks must stay while KV is sent, then frees them or parks them in
         :attr:`delayed_free`. A connector that raises here is logged and its blocks are
-        freed anyway: a cleanup path never leaks.
+        freed anyway: a cleanup path never leaks. ``request.kv_transfer_params`` (the
+        request's own until then, which ``request_finished`` may read) becomes a copy of
+        what the connector returned: ``None`` without a connector, when it raised, or
+        when what it returned is not plain JSON (logged).
         """
         req_id = request.request_id
         was_running = request.status == RequestStatus.RUNNING
@@ -122,6 +140,7 @@ class SchedulerState:
         self.async_loads.pop(req_id, None)
         self.finished_req_ids.add(req_id)
         delay_free = False
+        params = None
         if self.connector is not None:
             try:
                 result = self.connector.request_finished(request, self.kv.get_block_ids(req_id))
@@ -133,7 +152,8 @@ class SchedulerState:
                 )
             else:
                 delay_free = result.delay_free
-                request.kv_transfer_params = result.kv_transfer_params
+                params = _returned_params(req_id, result.kv_transfer_params)
+        request.kv_transfer_params = params
         if delay_free and self.kv.has_blocks(req_id):
             self.delayed_free[req_id] = request
         else:

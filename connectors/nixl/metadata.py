@@ -1,0 +1,55 @@
+"""``NixlMetadata``: one step's reads, held sends and cancelled loads, for the workers.
+
+Plain tuples of NamedTuples (str and int) so msgspec encodes it without pickle.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import attrs
+
+from connectors.base import KVConnectorMetadata
+
+__all__ = ["NixlMetadata", "RemoteRead"]
+
+
+class RemoteRead(NamedTuple):
+    """One consumer request's read: remote blocks of a producer into local blocks.
+
+    Attributes:
+        req_id: The consumer's request (reported in ``recving`` when the read is done).
+        engine_id: The producer engine.
+        host: Its side-channel host.
+        port: Its rank-0 side-channel port (rank ``r`` reads from ``port + r``).
+        remote_request_id: The producer's request, named in the notification that
+            frees its blocks.
+        remote_block_ids: Blocks to read, in order.
+        local_block_ids: Where they land, in the same order.
+    """
+
+    req_id: str
+    engine_id: str
+    host: str
+    port: int
+    remote_request_id: str
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class NixlMetadata(KVConnectorMetadata):
+    """What each worker does this step.
+
+    Attributes:
+        reads: Reads to start (consumer).
+        sends: Finished prefills whose blocks are now held for a consumer (producer):
+            reported in ``sending`` when the consumer's notification names them, or
+            when ``lease_s`` runs out.
+        cancels: Requests that finished while their read was in flight: their blocks
+            are held until the read is over, then reported in ``sending``.
+    """
+
+    reads: tuple[RemoteRead, ...] = ()
+    sends: tuple[str, ...] = ()
+    cancels: tuple[str, ...] = ()

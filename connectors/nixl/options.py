@@ -1,0 +1,183 @@
+"""The nixl connector's options and the ``kv_transfer_params`` it reads, checked once.
+
+Options (``EngineConfig.connector_options``)::
+
+    role                 "producer" (prefill), "consumer" (decode) or "both"
+    host                 this engine's side-channel host, bound and advertised
+                         (default "127.0.0.1")
+    port                 side-channel port of rank 0; rank r serves on port + r
+                         (default 5600)
+    engine_id            this engine's id (default "host:port")
+    handshake_timeout_s  bound on a peer's handshake (default 5)
+    read_timeout_s       bound on one request's READ (default 30)
+    lease_s              how long a producer holds a finished prefill's blocks for
+                         a consumer that never reads (default 60)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+from pipeline.checks import check_float, check_int
+from pipeline.errors import InvalidConfigError, InvalidRequestError
+
+__all__ = ["NIXL_OPTIONS", "NixlOptions", "RemotePrefill"]
+
+NIXL_OPTIONS = (
+    "role",
+    "host",
+    "port",
+    "engine_id",
+    "handshake_timeout_s",
+    "read_timeout_s",
+    "lease_s",
+)
+"""Every option the nixl connector accepts."""
+
+Role = Literal["producer", "consumer", "both"]
+_ROLES = ("producer", "consumer", "both")
+_MAX_BLOCKS = 1 << 20
+
+
+def _name(
+    field: str, value: object, error: type[InvalidConfigError] | type[InvalidRequestError]
+) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 256 or not value.isprintable():
+        raise error(field, value, "a printable string of 1..256 characters")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class NixlOptions:
+    """What the nixl connector was configured with (see the module docstring)."""
+
+    role: Role
+    host: str = "127.0.0.1"
+    port: int = 5600
+    engine_id: str = ""
+    handshake_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    lease_s: float = 60.0
+
+    @property
+    def produces(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.role in ("consumer", "both")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> NixlOptions:
+        """Validate ``connector_options``.
+
+        Raises:
+            InvalidConfigError: An unknown option, a missing or unknown ``role``, or a
+                value out of range; the message names the option.
+        """
+        unknown = sorted(set(options) - set(NIXL_OPTIONS))
+        if unknown:
+            raise InvalidConfigError(
+                "connector_options", unknown, f"unknown nixl options; allowed: {NIXL_OPTIONS}"
+            )
+        role = options.get("role")
+        if role not in _ROLES:
+            raise InvalidConfigError("connector_options['role']", role, " | ".join(_ROLES))
+
+        def seconds(key: str, default: float) -> float:
+            return check_float(
+                f"connector_options[{key!r}]",
+                options.get(key, default),
+                InvalidConfigError,
+                lo=1e-3,
+                hi=86400.0,
+            )
+
+        host = _name(
+            "connector_options['host']", options.get("host", "127.0.0.1"), InvalidConfigError
+        )
+        port = check_int(
+            "connector_options['port']",
+            options.get("port", 5600),
+            InvalidConfigError,
+            lo=1,
+            hi=65535,
+        )
+        engine_id = options.get("engine_id", f"{host}:{port}")
+        return cls(
+            role=role,
+            host=host,
+            port=port,
+            engine_id=_name("connector_options['engine_id']", engine_id, InvalidConfigError),
+            handshake_timeout_s=seconds("handshake_timeout_s", 5.0),
+            read_timeout_s=seconds("read_timeout_s", 30.0),
+            lease_s=seconds("lease_s", 60.0),
+        )
+
+
+def _block_ids(field: str, value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > _MAX_BLOCKS:
+        raise InvalidRequestError(field, value, "a list of block ids")
+    return tuple(
+        check_int(f"{field}[{i}]", b, InvalidRequestError, lo=0, hi=(1 << 31) - 1)
+        for i, b in enumerate(value)
+    )
+
+
+@attrs.frozen(kw_only=True)
+class RemotePrefill:
+    """A consumer request's ``kv_transfer_params`` (``do_remote_prefill``), checked.
+
+    They come from outside (a proxy, an HTTP body): every field is typed and bounded,
+    else the request fails alone with :class:`~pipeline.errors.InvalidRequestError`.
+    """
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str
+    block_ids: tuple[int, ...]
+    fingerprint: str
+    block_size: int
+    tp_size: int
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any] | None) -> RemotePrefill | None:
+        """The remote prefill ``params`` ask for, or ``None`` when they ask for none.
+
+        Raises:
+            InvalidRequestError: ``do_remote_prefill`` is true and a field is missing
+                or out of range.
+        """
+        if not params or params.get("do_remote_prefill") is not True:
+            return None
+        p = "kv_transfer_params"
+
+        def field(key: str) -> Any:
+            if key not in params:
+                raise InvalidRequestError(f"{p}[{key!r}]", None, "required for remote prefill")
+            return params[key]
+
+        return cls(
+            engine_id=_name(
+                f"{p}['remote_engine_id']", field("remote_engine_id"), InvalidRequestError
+            ),
+            host=_name(f"{p}['remote_host']", field("remote_host"), InvalidRequestError),
+            port=check_int(
+                f"{p}['remote_port']", field("remote_port"), InvalidRequestError, lo=1, hi=65535
+            ),
+            request_id=_name(
+                f"{p}['remote_request_id']", field("remote_request_id"), InvalidRequestError
+            ),
+            block_ids=_block_ids(f"{p}['remote_block_ids']", field("remote_block_ids")),
+            fingerprint=_name(f"{p}['fingerprint']", field("fingerprint"), InvalidRequestError),
+            block_size=check_int(
+                f"{p}['block_size']", field("block_size"), InvalidRequestError, lo=1, hi=1 << 20
+            ),
+            tp_size=check_int(
+                f"{p}['tp_size']", field("tp_size"), InvalidRequestError, lo=1, hi=1 << 16
+            ),
+        )

@@ -1,0 +1,198 @@
+"""``NixlScheduler``: the scheduler half of the nixl connector (prefill/decode split).
+
+Producer: a request whose ``kv_transfer_params`` say ``do_remote_decode`` finishes
+(normally) with its blocks held (``delay_free``) and answers the params a consumer
+needs (``do_remote_prefill``, where to read, which blocks, and the model's fingerprint,
+block size and TP size). The blocks are freed when the producer's workers report the
+request in ``sending``: the consumer's notification arrived, or the lease ran out.
+
+Consumer: a request whose params say ``do_remote_prefill`` is matched for its whole
+prompt blocks but the one holding the last prompt token (``load_async``); once its
+blocks are allocated, the next step's :class:`NixlMetadata` tells each worker to read
+them, and the request waits in ``WAITING_FOR_REMOTE_KVS`` until every rank reports
+the read in ``recving``. A request of another model, block size or TP size fails alone
+(:class:`PeerMismatchError`), never loads wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from connectors.base import (
+    ConnectorContext,
+    KVConnectorOutput,
+    KVConnectorScheduler,
+    MatchResult,
+    ModelFingerprint,
+    RequestFinishedResult,
+)
+from connectors.nixl.errors import PeerMismatchError
+from connectors.nixl.metadata import NixlMetadata, RemoteRead
+from connectors.nixl.options import NixlOptions, RemotePrefill
+from pipeline.errors import InvalidConfigError
+from pipeline.request import RequestStatus
+
+if TYPE_CHECKING:
+    from pipeline.artifacts import SchedulerOutput
+    from pipeline.request import Request
+
+__all__ = ["NixlScheduler", "model_key"]
+
+
+def model_key(context: ConnectorContext) -> str:
+    """The model's fingerprint key, the same on every rank (``tp_rank`` set to 0).
+
+    Raises:
+        InvalidConfigError: ``context`` has no fingerprint.
+    """
+    fingerprint: ModelFingerprint | None = context.fingerprint
+    if fingerprint is None:
+        raise InvalidConfigError("nixl connector", None, "needs the model's fingerprint")
+    return attrs.evolve(fingerprint, tp_rank=0).key()
+
+
+@attrs.frozen
+class _Match:
+    remote: RemotePrefill
+    start: int  # first block to load (the local prefix hit ends there)
+    count: int  # blocks to load
+
+
+class NixlScheduler(KVConnectorScheduler):
+    """Decides which requests are held (producer) and read (consumer); see the module.
+
+    Raises:
+        InvalidConfigError: Bad options, or no fingerprint in ``context``.
+    """
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self.options = NixlOptions.from_options(context.options)
+        self.fingerprint = model_key(context)
+        self.block_size = context.block_size
+        self.tp_size = context.world_size
+        self._matches: dict[str, _Match] = {}
+        self._reads: list[RemoteRead] = []
+        self._sends: list[str] = []
+        self._cancels: list[str] = []
+        self.loading: set[str] = set()  # reads in flight (consumer)
+        self.loaded: set[str] = set()  # reads done: never read again (consumer)
+        self.held: set[str] = set()  # blocks held for a consumer, or until a read is over
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
+        """A remote prefill's whole blocks past the local hit, but the last prompt
+        token's block; ``(0, False)`` for other requests. Never blocks.
+
+        Raises:
+            InvalidRequestError: Malformed ``do_remote_prefill`` params (fails alone).
+            PeerMismatchError: The producer's model, block size or TP size differ.
+        """
+        req_id = request.request_id
+        self._matches.pop(req_id, None)
+        if not self.options.consumes or req_id in self.loaded or req_id in self.loading:
+            return MatchResult(0, False)
+        remote = RemotePrefill.parse(request.kv_transfer_params)
+        if remote is None:
+            return MatchResult(0, False)
+        for field, mine, theirs in (
+            ("fingerprint", self.fingerprint, remote.fingerprint),
+            ("block_size", self.block_size, remote.block_size),
+            ("tp_size", self.tp_size, remote.tp_size),
+        ):
+            if mine != theirs:
+                raise PeerMismatchError(remote.engine_id, field, mine, theirs)
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        end = min((request.num_prompt_tokens - 1) // bs, len(remote.block_ids))
+        count = max(0, end - start)  # 0: nothing to read, still notify the producer
+        self._matches[req_id] = _Match(remote, start, count)
+        return MatchResult(count * bs, count > 0)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Queue the read of a matched request into its newly allocated blocks (of no
+        block when nothing is to be read: the producer is still told to free its own)."""
+        req_id = request.request_id
+        match = self._matches.pop(req_id, None)
+        if match is None:
+            return
+        count = min(match.count, num_external_tokens // self.block_size)
+        blocks = slice(match.start, match.start + count)
+        remote = match.remote
+        self._reads.append(
+            RemoteRead(
+                req_id,
+                remote.engine_id,
+                remote.host,
+                remote.port,
+                remote.request_id,
+                remote.block_ids[blocks],
+                tuple(block_ids[blocks]),
+            )
+        )
+        if count:
+            self.loading.add(req_id)
+        else:  # the read of no block only tells the producer to free its blocks
+            self.loaded.add(req_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlMetadata:
+        """The reads, held sends and cancels queued since the previous step."""
+        meta = NixlMetadata(
+            reads=tuple(self._reads), sends=tuple(self._sends), cancels=tuple(self._cancels)
+        )
+        self._reads, self._sends, self._cancels = [], [], []
+        return meta
+
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> RequestFinishedResult:
+        """Hold a finished prefill's blocks for its consumer (producer), or a
+        request's blocks while its read is still writing into them (consumer)."""
+        req_id = request.request_id
+        self._matches.pop(req_id, None)
+        self.loaded.discard(req_id)
+        if req_id in self.loading:
+            self.loading.discard(req_id)
+            self._reads = [r for r in self._reads if r.req_id != req_id]
+            self.held.add(req_id)
+            self._cancels.append(req_id)
+            return RequestFinishedResult(delay_free=True)
+        params = request.kv_transfer_params
+        normal = request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+        if not (self.options.produces and normal and params and params.get("do_remote_decode")):
+            return RequestFinishedResult()
+        num_blocks = -(-request.num_prompt_tokens // self.block_size)
+        if not block_ids or len(block_ids) < num_blocks:
+            return RequestFinishedResult()
+        self.held.add(req_id)
+        self._sends.append(req_id)
+        answer: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.options.engine_id,
+            "remote_host": self.options.host,
+            "remote_port": self.options.port,
+            "remote_request_id": req_id,
+            "remote_block_ids": list(block_ids[:num_blocks]),
+            "fingerprint": self.fingerprint,
+            "block_size": self.block_size,
+            "tp_size": self.tp_size,
+        }
+        return RequestFinishedResult(delay_free=True, kv_transfer_params=answer)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Forget held requests once sent or expired, and reads once done or expired."""
+        for req_id in output.finished_sending | output.expired_sending:
+            self.held.discard(req_id)
+        for req_id in output.finished_recving:
+            if req_id in self.loading:
+                self.loading.discard(req_id)
+                self.loaded.add(req_id)
+        for req_id in output.expired_recving:
+            self.loading.discard(req_id)
+
+    def has_pending_work(self) -> bool:
+        """While blocks are held or reads are in flight."""
+        return bool(self.held or self.loading)

@@ -1,0 +1,118 @@
+"""The proxy's Starlette app: the two-hop routes, ``/health``, ``/metrics``, the poller."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import anyio
+import httpx
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pipeline.proxy.health import poll_forever
+from pipeline.proxy.metrics import ProxyMetrics
+from pipeline.proxy.options import ProxyOptions
+from pipeline.proxy.pool import BackendPool
+from pipeline.proxy.routes import chat_completions, completions
+from pipeline.proxy.upstream import Hop
+from pipeline.server.errors import error_response, exception_handlers
+from pipeline.server.middleware import GuardMiddleware
+from pipeline.server.options import ServerOptions
+
+__all__ = ["ProxyState", "create_proxy_app"]
+
+
+class ProxyState:
+    """What the proxy's routes share (``app.state.kvstep``).
+
+    Attributes:
+        proxy: The backends and upstream limits.
+        options: The proxy's own limits (body cap and timeout, API key), as a server's.
+        parse_limiter: Worker threads for parsing large bodies (``read_body``).
+        pools: The ``prefill`` and ``decode`` pools, in that order.
+        metrics: The proxy's Prometheus metrics.
+        timeout_s: The longest a whole upstream answer may take to read.
+        prefill: The hop to the producers; set while the lifespan is open.
+        decode: The hop to the consumers; set while the lifespan is open.
+    """
+
+    def __init__(self, proxy: ProxyOptions, options: ServerOptions) -> None:
+        self.proxy = proxy
+        self.options = options
+        self.parse_limiter = anyio.CapacityLimiter(2)
+        self.pools = (BackendPool("prefill", proxy.prefill), BackendPool("decode", proxy.decode))
+        self.metrics = ProxyMetrics()
+        self.timeout_s = proxy.upstream_timeout_s
+        self.prefill: Hop
+        self.decode: Hop
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Open the upstream client and poll the backends' health until exit."""
+        proxy = self.proxy
+        timeout = httpx.Timeout(proxy.upstream_timeout_s, connect=proxy.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+            cap = proxy.max_response_bytes
+            self.prefill = Hop(self.pools[0], client, self.metrics, cap)
+            self.decode = Hop(self.pools[1], client, self.metrics, cap)
+            async with anyio.create_task_group() as group:
+                group.start_soon(
+                    poll_forever,
+                    client,
+                    self.pools,
+                    proxy.health_interval_s,
+                    proxy.health_timeout_s,
+                )
+                try:
+                    yield
+                finally:
+                    group.cancel_scope.cancel()
+
+
+def create_proxy_app(proxy: ProxyOptions, options: ServerOptions | None = None) -> Starlette:
+    """The proxy as an ASGI app; its lifespan opens the upstream client and the poller.
+
+    ``options`` guards the proxy itself as it guards ``kvstep serve`` (API key, body cap
+    and timeout; default :class:`ServerOptions`). The routes need the lifespan to run.
+    """
+    state = ProxyState(proxy, options or ServerOptions())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with state.running():
+            yield
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/health", _health, methods=["GET"]),
+            Route("/metrics", _metrics, methods=["GET"]),
+        ],
+        middleware=[Middleware(GuardMiddleware, api_key=state.options.api_key_bytes())],
+        exception_handlers=exception_handlers(),
+        lifespan=lifespan,
+    )
+    app.state.kvstep = state
+    return app
+
+
+async def _health(request: Request) -> Response:
+    state: ProxyState = request.app.state.kvstep
+    pools = {p.name: {"healthy": p.num_healthy, "total": len(p.backends)} for p in state.pools}
+    down = [p.name for p in state.pools if not p.num_healthy]
+    if down:
+        message = f"no healthy backend in pool {', '.join(down)}"
+        return error_response(503, message, "service_unavailable_error", "no_healthy_backend")
+    return JSONResponse({"status": "ok", "pools": pools})
+
+
+async def _metrics(request: Request) -> Response:
+    state: ProxyState = request.app.state.kvstep
+    text = state.metrics.render(state.pools)
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the proxy: requests per backend, upstream errors, healthy backends."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from pipeline.proxy.pool import BackendPool
+
+__all__ = ["ProxyMetrics"]
+
+
+class ProxyMetrics:
+    """The proxy's registry (one per app, never the global one); thread-safe."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter(
+            "kvstep_proxy_upstream_requests",
+            "Requests sent to a backend, by pool, backend and HTTP status (0: no answer)",
+            ["pool", "backend", "status"],
+            registry=reg,
+        )
+        self.errors = Counter(
+            "kvstep_proxy_upstream_errors",
+            "Upstream failures, by pool, backend and kind (connect, timeout, status, stream, "
+            "response)",
+            ["pool", "backend", "kind"],
+            registry=reg,
+        )
+        self.healthy = Gauge(
+            "kvstep_proxy_healthy_backends", "Backends in rotation, by pool", ["pool"], registry=reg
+        )
+
+    def render(self, pools: tuple[BackendPool, ...]) -> bytes:
+        """The Prometheus text exposition, after refreshing the healthy-backend gauges."""
+        for pool in pools:
+            self.healthy.labels(pool.name).set(pool.num_healthy)
+        return generate_latest(self.registry)

@@ -1,0 +1,120 @@
+"""The two-hop routes: ``/v1/completions`` and ``/v1/chat/completions``.
+
+Each request goes first to a producer (prefill) backend, as itself but for
+``max_tokens: 1`` (``max_completion_tokens: 1`` when the client used that instead),
+``stream: false`` and
+``kv_transfer_params: {"do_remote_decode": true}``; the ``kv_transfer_params`` of its
+answer (``do_remote_prefill``, where the blocks are, ...) then go with the client's
+original body to a consumer (decode) backend, whose answer the client gets unchanged.
+A 4xx of either backend reaches the client as it is; a 5xx becomes a 502.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pipeline.errors import InvalidRequestError
+from pipeline.proxy.relay import RelayResponse
+from pipeline.proxy.upstream import Hop, Sent, bad_gateway
+from pipeline.server.body import read_body
+from pipeline.server.errors import request_id, short_value
+
+__all__ = ["chat_completions", "completions"]
+
+# Headers of a backend's answer the client gets; the rest (framing, the backend's own
+# request id, Date, Server) is the proxy's.
+_ANSWER_HEADERS = ("content-type", "cache-control", "x-kvstep-ignored-fields")
+
+
+async def completions(request: Request) -> Response:
+    """``POST /v1/completions`` through a producer and a consumer."""
+    return await _two_hop(request, "/v1/completions")
+
+
+async def chat_completions(request: Request) -> Response:
+    """``POST /v1/chat/completions`` through a producer and a consumer."""
+    return await _two_hop(request, "/v1/chat/completions")
+
+
+async def _two_hop(request: Request, path: str) -> Response:
+    state = request.app.state.kvstep
+    body = await read_body(request)
+    if isinstance(body, Response):  # the client left mid-body
+        return body
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", short_value(body), "must be a JSON object")
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        raise InvalidRequestError("n", n, "must be 1 behind kvstep proxy (one decode per prefill)")
+    rid = request_id(request)
+    headers = _upstream_headers(request, rid)
+    prefilled = await _prefill(state.prefill, path, body, headers, rid, state.timeout_s)
+    if isinstance(prefilled, Response):
+        return prefilled
+    decode_body = dict(body)
+    if prefilled:
+        decode_body["kv_transfer_params"] = prefilled
+    sent = await state.decode.send(path, decode_body, headers, rid)
+    status = sent.response.status_code
+    media_type = sent.response.headers.get("content-type", "")
+    if status < 400 and media_type.startswith("text/event-stream"):
+        return RelayResponse(sent, state.decode, rid, _answer_headers(sent))
+    content = await state.decode.read(sent, rid, state.timeout_s)
+    return _answer(state.decode, sent, content, rid)
+
+
+async def _prefill(
+    hop: Hop, path: str, body: dict[str, Any], headers: dict[str, str], rid: str, timeout: float
+) -> dict[str, Any] | Response | None:
+    """The producer's ``kv_transfer_params`` (``None`` when it gave none), or its 4xx."""
+    prefill_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    prefill_body.pop("stream_options", None)  # only allowed with stream: true
+    # One generated token. kvstep's chat refuses max_tokens beside max_completion_tokens,
+    # so the latter alone is set when the client used it (vLLM's proxy sets both).
+    limits = [k for k in ("max_tokens", "max_completion_tokens") if k in body] or ["max_tokens"]
+    prefill_body.update(dict.fromkeys(limits, 1))
+    sent = await hop.send(path, prefill_body, headers, rid)
+    content = await hop.read(sent, rid, timeout)
+    if sent.response.status_code >= 300:
+        return _answer(hop, sent, content, rid)
+    try:
+        answer = json.loads(content)
+    except (ValueError, RecursionError) as exc:  # not JSON, or nested past the stack
+        hop.failed(sent.backend, "response", exc, rid)
+        raise bad_gateway(hop.pool.name, rid) from None
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if params is not None and not isinstance(params, dict):
+        hop.failed(sent.backend, "response", f"kv_transfer_params={params!r:.80}", rid)
+        raise bad_gateway(hop.pool.name, rid)
+    return params
+
+
+def _answer(hop: Hop, sent: Sent, content: bytes, rid: str) -> Response:
+    """A backend's read answer for the client: as it is, but a 5xx (or 3xx) is a 502."""
+    status = sent.response.status_code
+    if status < 300 or 400 <= status < 500:
+        return Response(content, status_code=status, headers=_answer_headers(sent))
+    hop.failed(sent.backend, "status", f"status {status}: {content[:200]!r}", rid)
+    raise bad_gateway(hop.pool.name, rid)
+
+
+def _answer_headers(sent: Sent) -> dict[str, str]:
+    found = sent.response.headers
+    return {name: found[name] for name in _ANSWER_HEADERS if name in found}
+
+
+def _upstream_headers(request: Request, rid: str) -> dict[str, str]:
+    """The client's ``Authorization`` and ``X-Request-Id`` (the proxy's id when it sent
+    none or an unusable one), a JSON body and no compression."""
+    headers = {"content-type": "application/json", "accept-encoding": "identity"}
+    given = request.headers.get("x-request-id", "")
+    usable = 0 < len(given) <= 128 and given.isascii() and given.isprintable()
+    headers["x-request-id"] = given if usable else rid
+    auth = request.headers.get("authorization")
+    if auth is not None:
+        headers["authorization"] = auth
+    return headers

@@ -1,0 +1,223 @@
+"""The nixl connector's transport: NIXL reads between two agents, the ZeroMQ handshake."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu12")
+zmq = pytest.importorskip("zmq")
+
+from connectors.nixl.agent import NOTIF_PREFIX, KVAgent  # noqa: E402
+from connectors.nixl.errors import HandshakeError, PeerMismatchError, TransferError  # noqa: E402
+from connectors.nixl.handshake import (  # noqa: E402
+    REQUEST,
+    HandshakeServer,
+    fetch_peer_info,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from nixl_peer import SHAPE, filled_cache  # noqa: E402
+
+
+def make_agent(engine_id: str, caches: list[torch.Tensor], **kw: object) -> KVAgent:
+    args: dict[str, object] = {
+        "engine_id": engine_id,
+        "fingerprint": "fp",
+        "block_size": SHAPE[2],
+        "tp_rank": 0,
+        "tp_size": 1,
+        "kv_caches": caches,
+    }
+    args.update(kw)
+    return KVAgent(**args)  # type: ignore[arg-type]
+
+
+def wait_read(agent: KVAgent, handle: object, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not agent.poll(handle):  # type: ignore[arg-type]
+        assert time.monotonic() < end
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def pair():
+    src = filled_cache()
+    dst = [torch.zeros(SHAPE) for _ in range(2)]
+    producer, consumer = make_agent("prod", src), make_agent("cons", dst)
+    server = HandshakeServer(producer.info, "127.0.0.1", 0)
+    yield producer, consumer, server, src, dst
+    server.close()
+    consumer.close()
+    producer.close()
+
+
+class TestRead:
+    def test_bytes_equal_after_a_read_and_the_producer_is_notified(self, pair) -> None:
+        """Remote blocks 3, 5 land in local blocks 1, 6 for every layer's K and V;
+        the producer gets the notification naming the request."""
+        producer, consumer, server, src, dst = pair
+        consumer.add_peer(fetch_peer_info("127.0.0.1", server.port, 5.0))
+        handle = consumer.start_read("prod", [3, 5], [1, 6], NOTIF_PREFIX + b"req-1", 5.0)
+        wait_read(consumer, handle)
+        for layer in range(2):
+            assert torch.equal(dst[layer][:, 1], src[layer][:, 3])
+            assert torch.equal(dst[layer][:, 6], src[layer][:, 5])
+            assert dst[layer][:, 0].abs().sum() == 0  # nothing else was written
+        end = time.monotonic() + 5
+        notes: list[str] = []
+        while not notes and time.monotonic() < end:
+            notes = producer.take_notifications()
+            time.sleep(0.005)
+        assert notes == ["req-1"]
+
+    def test_out_of_range_blocks_are_refused(self, pair) -> None:
+        """A remote block id outside the peer's cache is a TransferError, not a read."""
+        _, consumer, server, _, _ = pair
+        consumer.add_peer(fetch_peer_info("127.0.0.1", server.port, 5.0))
+        with pytest.raises(TransferError, match="out of"):
+            consumer.start_read("prod", [SHAPE[1]], [0], b"", 5.0)
+        with pytest.raises(TransferError, match="never admitted"):
+            consumer.start_read("other", [0], [0], b"", 5.0)
+
+    def test_hostile_notifications_are_dropped(self, pair) -> None:
+        """Notifications without the prefix or not UTF-8 name no request."""
+        producer, consumer, server, _, _ = pair
+        consumer.add_peer(fetch_peer_info("127.0.0.1", server.port, 5.0))
+        producer.add_peer(consumer.info)
+        consumer._agent.send_notif(producer.name, b"free everything")
+        consumer._agent.send_notif(producer.name, NOTIF_PREFIX + b"\xff\xfe")
+        consumer._agent.send_notif(producer.name, NOTIF_PREFIX + b"ok")
+        end, notes = time.monotonic() + 5, []
+        while "ok" not in notes and time.monotonic() < end:
+            notes += producer.take_notifications()
+            time.sleep(0.005)
+        assert notes == ["ok"]
+
+
+class TestMismatch:
+    @pytest.mark.parametrize(
+        ("field", "kw"),
+        [
+            ("fingerprint", {"fingerprint": "other-model"}),
+            ("block_size", {"block_size": 8}),
+            ("tp_size", {"tp_size": 2}),
+        ],
+    )
+    def test_a_mismatched_peer_is_refused(self, field: str, kw: dict[str, object]) -> None:
+        """A peer of another model, block size or TP size is refused by name."""
+        other = make_agent("odd", filled_cache(), **kw)
+        mine = make_agent("mine", [torch.zeros(SHAPE) for _ in range(2)])
+        try:
+            with pytest.raises(PeerMismatchError) as info:
+                mine.add_peer(other.info)
+            assert info.value.field == field
+            assert not mine.has_peer("odd")
+        finally:
+            mine.close()
+            other.close()
+
+    def test_a_peer_of_another_dtype_is_refused(self) -> None:
+        """float16 KV is never read into a float32 cache."""
+        other = make_agent("half", [torch.zeros(SHAPE, dtype=torch.float16) for _ in range(2)])
+        mine = make_agent("mine", [torch.zeros(SHAPE) for _ in range(2)])
+        try:
+            with pytest.raises(PeerMismatchError, match="dtype"):
+                mine.add_peer(other.info)
+        finally:
+            mine.close()
+            other.close()
+
+
+class TestHandshake:
+    def test_a_closed_port_is_a_typed_error_within_the_timeout(self) -> None:
+        """Nobody listening: HandshakeError after the timeout, not a hang."""
+        probe = zmq.Context.instance().socket(zmq.REP)
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+        probe.close(0)
+        start = time.monotonic()
+        with pytest.raises(HandshakeError, match="no reply"):
+            fetch_peer_info("127.0.0.1", port, 0.3)
+        assert time.monotonic() - start < 2.0
+
+    def test_the_server_refuses_a_bad_request_and_keeps_serving(self, pair) -> None:
+        """A request that is not REQUEST gets an error reply; the next one is served."""
+        _, _, server, _, _ = pair
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.connect(f"tcp://127.0.0.1:{server.port}")
+        sock.send(b"gimme")
+        assert b"bad request" in sock.recv()
+        sock.close(0)
+        assert fetch_peer_info("127.0.0.1", server.port, 5.0).engine_id == "prod"
+
+    @pytest.mark.parametrize(
+        "reply",
+        [b"\x00garbage", msgspec.msgpack.encode({"info": {"engine_id": True}}), b"x" * 70],
+    )
+    def test_a_garbage_reply_is_a_typed_error(self, reply: bytes) -> None:
+        """A reply that does not decode as HandshakeReply is a HandshakeError."""
+        sock = zmq.Context.instance().socket(zmq.REP)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            import threading
+
+            def answer() -> None:
+                if sock.poll(5000):
+                    assert sock.recv() == REQUEST
+                    sock.send(reply)
+
+            thread = threading.Thread(target=answer)
+            thread.start()
+            with pytest.raises(HandshakeError):
+                fetch_peer_info("127.0.0.1", port, 5.0)
+            thread.join()
+        finally:
+            sock.close(0)
+
+
+class TestDeadPeer:
+    def test_a_killed_producer_is_a_typed_error_not_a_hang(self) -> None:
+        """After the producer process dies, a read fails with TransferError and a
+        handshake with HandshakeError, each within its timeout."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        helper = str(Path(__file__).parent / "nixl_peer.py")
+        proc = subprocess.Popen(
+            [sys.executable, helper, "dead"], stdout=subprocess.PIPE, text=True, env=env
+        )
+        dst = [torch.zeros(SHAPE) for _ in range(2)]
+        consumer = make_agent("cons2", dst)
+        try:
+            assert proc.stdout is not None
+            line = ""
+            while not line.startswith("PORT "):
+                line = proc.stdout.readline()
+                assert line, "the producer exited"
+            port = int(line.split()[1])
+            consumer.add_peer(fetch_peer_info("127.0.0.1", port, 10.0))
+            handle = consumer.start_read("dead", [2], [2], b"", 10.0)
+            wait_read(consumer, handle)  # alive: the read works across processes
+            assert torch.equal(dst[1][:, 2], filled_cache()[1][:, 2])
+            proc.kill()
+            proc.wait(10)
+            start = time.monotonic()
+            with pytest.raises(TransferError):
+                handle = consumer.start_read("dead", [3], [3], b"", 2.0)
+                while not consumer.poll(handle):
+                    time.sleep(0.005)
+            assert time.monotonic() - start < 5.0
+            with pytest.raises(HandshakeError):
+                fetch_peer_info("127.0.0.1", port, 0.3)
+        finally:
+            proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+            consumer.close()
