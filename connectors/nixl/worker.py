@@ -187,8 +187,9 @@ class NixlWorker(KVConnectorWorker):
             del self._early[next(iter(self._early))]
 
     async def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerFinished:
-        """Reads that ended (``recving``), sends released (``sending``); polls, never
-        waits. Cancellation-safe: results are kept until returned."""
+        """Reads that ended (``recving``), sends released (``sending``). Polls; only a
+        step with nothing scheduled that finished nothing waits ``_IDLE_POLL_S`` and
+        polls again. Cancellation-safe: results are kept until returned."""
         self._poll()
         if self._idle_step and not (self._done_sending or self._done_recving):
             # The engine steps back to back while transfers are pending: an idle step
