@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--kv-role",
+        choices=("producer", "consumer", "both"),
+        default=None,
+        help="disaggregated serving: shorthand for --connector nixl with this role "
+        "(kvstep[nixl]; --connector-options adds the others, e.g. the side-channel "
+        '{"port": 5601}); default: off',
+    )
     _add_server_flags(serve)
 
     proxy = sub.add_parser(
@@ -230,8 +238,34 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration of ``kvstep serve``: the config flags, and ``--kv-role``
+    as the ``nixl`` connector in that role.
+
+    Raises:
+        InvalidConfigError: ``--kv-role`` with another ``--connector``, or with a
+            different ``role`` in ``--connector-options``.
+    """
+    fields = _config_fields(args)
+    role = getattr(args, "kv_role", None)
+    if role is not None:
+        connector = fields.get("connector")
+        if connector not in (None, "nixl"):
+            raise InvalidConfigError(
+                "kv_role", role, f"is the nixl connector's role; --connector is {connector!r}"
+            )
+        options = dict(fields.get("connector_options") or {})
+        if options.get("role", role) != role:
+            raise InvalidConfigError(
+                "kv_role", role, f"differs from connector_options role {options['role']!r}"
+            )
+        fields["connector"] = "nixl"
+        fields["connector_options"] = {**options, "role": role}
+    return EngineConfig(**fields)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    config = EngineConfig(**_config_fields(args))
+    config = serve_config(args)
     try:
         from pipeline.server import serve, server_options
     except ImportError as exc:
