@@ -21,7 +21,15 @@ import attrs
 
 from pipeline.errors import InvalidConfigError
 
-__all__ = ["IdleCut", "TimeAxis", "parse_steps", "select_steps", "stage_colors", "write_plot"]
+__all__ = [
+    "IdleCut",
+    "TimeAxis",
+    "narrow_to_steps",
+    "parse_steps",
+    "select_steps",
+    "stage_colors",
+    "write_plot",
+]
 
 Record = dict[str, Any]
 
@@ -60,6 +68,23 @@ def select_steps(
         and (first is None or r["step_id"] >= first)
         and (stop is None or r["step_id"] < stop)
     ]
+
+
+def narrow_to_steps(
+    records: Sequence[Record], steps: tuple[int | None, int | None]
+) -> Sequence[Record]:
+    """``records`` narrowed to ``steps`` (all of them when the range is open).
+
+    Raises:
+        InvalidConfigError: ``steps`` selects no record of the log.
+    """
+    if steps == (None, None):
+        return records
+    selected = select_steps(records, steps)
+    if not selected:
+        first, stop = steps
+        raise InvalidConfigError("--steps", f"{first}:{stop}", "selects no record of the log")
+    return selected
 
 
 def stage_colors(stages: Sequence[str]) -> dict[str, Any]:

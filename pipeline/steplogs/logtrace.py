@@ -24,8 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InvalidConfigError
-from pipeline.steplogs.logplot import select_steps
+from pipeline.steplogs.logplot import narrow_to_steps
 
 __all__ = ["ENGINE_PID", "trace_events", "write_trace"]
 
@@ -182,13 +181,7 @@ def write_trace(
     Raises:
         InvalidConfigError: ``steps`` selects no record of the log.
     """
-    if steps != (None, None):
-        selected = select_steps(records, steps)
-        if not selected:
-            first, stop = steps
-            raise InvalidConfigError("--steps", f"{first}:{stop}", "selects no record of the log")
-        records = selected
-    events = trace_events(records)
+    events = trace_events(narrow_to_steps(records, steps))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

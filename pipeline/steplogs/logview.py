@@ -19,7 +19,7 @@ from typing import IO, Any
 import attrs
 
 from pipeline.errors import InvalidConfigError
-from pipeline.steplogs.logplot import parse_steps, select_steps, write_plot
+from pipeline.steplogs.logplot import narrow_to_steps, parse_steps, write_plot
 from pipeline.steplogs.logtrace import trace_events, write_trace
 
 __all__ = [
@@ -167,11 +167,7 @@ def summarize(
     Raises:
         InvalidConfigError: ``steps`` selects no record of the log.
     """
-    if steps != (None, None):
-        records = select_steps(records, steps)
-        if not records:
-            first, stop = steps
-            raise InvalidConfigError("--steps", f"{first}:{stop}", "selects no record of the log")
+    records = narrow_to_steps(records, steps)
     durations: dict[tuple[str, str], list[float]] = {}
     stage_failures: dict[tuple[str, str], int] = {}
     stage_errors: list[tuple[Any, Any, str, str]] = []
