@@ -36,10 +36,13 @@ __all__ = [
 TRANSFER_PARAMS = "kv_transfer_params"
 #: Deepest nesting of objects and arrays (the top-level object is level 1).
 MAX_TRANSFER_DEPTH = 8
-#: Most entries in all: every object key and every array item, at any level.
-MAX_TRANSFER_ENTRIES = 256
-#: Largest size of the object encoded as JSON (UTF-8).
-MAX_TRANSFER_BYTES = 16 * 1024
+#: Most entries in all: every object key and every array item, at any level. A remote
+#: prefill's answer lists the producer's blocks one entry each (vLLM's form): 8,192
+#: entries carry a prompt of over 130k tokens at block size 16.
+MAX_TRANSFER_ENTRIES = 8192
+#: Largest size of the object encoded as JSON (UTF-8): room for 8,192 block ids of up
+#: to 10 digits, still a small fraction of the server's default 4 MiB body.
+MAX_TRANSFER_BYTES = 128 * 1024
 
 _ALLOWED = (
     "must be a JSON object: a dict with str keys whose values are str, int (64-bit), "

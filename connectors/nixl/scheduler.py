@@ -33,13 +33,20 @@ from connectors.nixl.errors import PeerMismatchError
 from connectors.nixl.metadata import NixlMetadata, RemoteRead
 from connectors.nixl.options import NixlOptions, RemotePrefill
 from pipeline.errors import InvalidConfigError
+from pipeline.logs import get_logger
 from pipeline.request import RequestStatus
+from pipeline.transfer_params import MAX_TRANSFER_ENTRIES
 
 if TYPE_CHECKING:
     from pipeline.artifacts import SchedulerOutput
     from pipeline.request import Request
 
 __all__ = ["NixlScheduler", "model_key"]
+
+log = get_logger()
+# The answer's block ids, with room for its other 10 keys, within the entries a
+# consumer's ``check_transfer_params`` accepts.
+_MAX_ANSWER_BLOCKS = MAX_TRANSFER_ENTRIES - 16
 
 
 def model_key(context: ConnectorContext) -> str:
@@ -165,6 +172,14 @@ class NixlScheduler(KVConnectorScheduler):
             return RequestFinishedResult()
         num_blocks = -(-request.num_prompt_tokens // self.block_size)
         if not block_ids or len(block_ids) < num_blocks:
+            return RequestFinishedResult()
+        if num_blocks > _MAX_ANSWER_BLOCKS:  # the answer would not pass a consumer's door
+            log.warning(
+                "nixl prefill too long to hand over; blocks freed",
+                req_id=req_id,
+                blocks=num_blocks,
+                limit=_MAX_ANSWER_BLOCKS,
+            )
             return RequestFinishedResult()
         self.held.add(req_id)
         self._sends.append(req_id)

@@ -23,6 +23,7 @@ from connectors.nixl import (
 from pipeline import SamplingParams
 from pipeline.errors import InvalidConfigError, InvalidRequestError
 from pipeline.request import Request, RequestStatus
+from pipeline.transfer_params import MAX_TRANSFER_ENTRIES, check_transfer_params
 
 BS = 4
 FP = ModelFingerprint(architecture="A", weights_id="w", dtype="float32", block_size=BS)
@@ -97,6 +98,21 @@ class TestProducer:
         assert not scheduler("producer").request_finished(req, [1, 2, 3]).delay_free
         consumer = scheduler("consumer")
         assert not finish(consumer, request("c", 9, {"do_remote_decode": True}), [1, 2, 3])[0]
+
+    def test_the_answer_of_the_longest_prompt_passes_a_consumers_door(self) -> None:
+        """The answer for the most blocks a producer hands over is accepted by
+        check_transfer_params and parsed back; one block more is not held (freed at
+        once, logged) rather than answered with params a consumer would refuse."""
+        limit = MAX_TRANSFER_ENTRIES - 16
+        sched = scheduler("producer", host="producer-0.cluster.internal", engine_id="e" * 200)
+        blocks = list(range(2**31 - limit - 1, 2**31 - 1))  # the widest block ids
+        req = request("p" * 200, limit * BS, {"do_remote_decode": True})
+        params = check_transfer_params(finish(sched, req, blocks).kv_transfer_params)
+        remote = RemotePrefill.parse(params)
+        assert remote is not None and remote.block_ids == tuple(blocks)
+        over = request("q", limit * BS + 1, {"do_remote_decode": True})
+        result = finish(scheduler("producer"), over, [*blocks, 1])
+        assert not result.delay_free and result.kv_transfer_params is None
 
 
 class TestConsumer:

@@ -96,10 +96,16 @@ class TestCheck:
             ({"a": object()}, "a object"),
             (nested(MAX_TRANSFER_DEPTH + 1), "deeper than 8"),
             ({"a": [[[[[[[[1]]]]]]]]}, "deeper than 8"),
-            ({f"k{i}": i for i in range(MAX_TRANSFER_ENTRIES + 1)}, "more than 256 entries"),
-            ({"a": list(range(10**6))}, "more than 256 entries"),
-            ({"a": [{"b": 1, "c": 2}] * 100}, "more than 256 entries"),
-            ({"s": "x" * (MAX_TRANSFER_BYTES + 1)}, "more than 16384 bytes"),
+            (
+                {f"k{i}": i for i in range(MAX_TRANSFER_ENTRIES + 1)},
+                f"more than {MAX_TRANSFER_ENTRIES} entries",
+            ),
+            ({"a": list(range(10**6))}, f"more than {MAX_TRANSFER_ENTRIES} entries"),
+            (
+                {"a": [{"b": 1, "c": 2}] * (MAX_TRANSFER_ENTRIES // 3 + 1)},
+                f"more than {MAX_TRANSFER_ENTRIES} entries",
+            ),
+            ({"s": "x" * (MAX_TRANSFER_BYTES + 1)}, f"more than {MAX_TRANSFER_BYTES} bytes"),
             ({"s": '"' * (MAX_TRANSFER_BYTES // 2 + 8)}, "bytes as JSON"),  # escapes double it
         ],
     )
@@ -210,7 +216,7 @@ class TestAsyncEngine:
     ) -> None:
         """InvalidRequestError naming kv_transfer_params; nothing is queued."""
         async with AsyncEngine(config()) as engine:
-            for bad in ([1], {"a": math.nan}, nested(9), {"s": "x" * 20_000}):
+            for bad in ([1], {"a": math.nan}, nested(9), {"s": "x" * (MAX_TRANSFER_BYTES + 1)}):
                 with pytest.raises(InvalidRequestError, match="kv_transfer_params"):
                     engine.generate([1, 2, 3], PARAMS, kv_transfer_params=bad)  # type: ignore[arg-type]
             assert engine.num_requests == 0

@@ -20,7 +20,7 @@ from transfer_connector import NAME, TransferScheduler, registered
 
 from pipeline import EngineConfig
 from pipeline.server import create_app
-from pipeline.transfer_params import MAX_TRANSFER_BYTES
+from pipeline.transfer_params import MAX_TRANSFER_BYTES, MAX_TRANSFER_ENTRIES
 
 pytestmark = pytest.mark.anyio
 
@@ -115,7 +115,7 @@ class TestRefused:
             {"kv_transfer_params": 1},
             {"kv_transfer_params": deep},
             {"kv_transfer_params": {"s": "x" * (MAX_TRANSFER_BYTES + 1)}},
-            {"kv_transfer_params": {f"k{i}": i for i in range(257)}},
+            {"kv_transfer_params": {f"k{i}": i for i in range(MAX_TRANSFER_ENTRIES + 1)}},
             {"kv_transfer_params": {"big": 2**70}},
             {"kv_transfer_params": SENT, "n": 2},
         ]
