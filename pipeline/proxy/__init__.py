@@ -1,6 +1,9 @@
-"""``kvstep proxy``: a router in front of producer (prefill) and consumer (decode) servers.
+"""``kvstep proxy``: a router in front of replicas, or of producer (prefill) and consumer
+(decode) servers.
 
-Follows vLLM's disaggregated-serving proxy: each completion goes to a producer with
+In front of replicas (``--backend``), each request goes to one of them, picked by the
+policy (``round-robin`` or ``least-loaded``). In front of disaggregated pools it follows
+vLLM's disaggregated-serving proxy: each completion goes to a producer with
 ``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}``, then with the
 producer's ``kv_transfer_params`` to a consumer, whose answer the client gets unchanged.
 ``create_proxy_app`` returns the Starlette app; ``serve_proxy`` runs it under uvicorn.

@@ -1,4 +1,4 @@
-"""The proxy's Starlette app: the two-hop routes, ``/health``, ``/metrics``, the poller."""
+"""The proxy's Starlette app: the routes, ``/health``, ``/metrics``, the poller."""
 
 from __future__ import annotations
 
@@ -33,21 +33,25 @@ class ProxyState:
         proxy: The backends and upstream limits.
         options: The proxy's own limits (body cap and timeout, API key), as a server's.
         parse_limiter: Worker threads for parsing large bodies (``read_body``).
-        pools: The ``prefill`` and ``decode`` pools, in that order.
+        pools: The ``backend`` pool (replicas), or the ``prefill`` and ``decode`` pools
+            in that order.
         metrics: The proxy's Prometheus metrics.
         timeout_s: The longest a whole upstream answer may take to read.
-        prefill: The hop to the producers; set while the lifespan is open.
-        decode: The hop to the consumers; set while the lifespan is open.
+        prefill: The hop to the producers (``None`` in front of replicas); set while
+            the lifespan is open.
+        decode: The hop that answers the client: to the consumers, or to the replicas;
+            set while the lifespan is open.
     """
 
     def __init__(self, proxy: ProxyOptions, options: ServerOptions) -> None:
         self.proxy = proxy
         self.options = options
         self.parse_limiter = anyio.CapacityLimiter(2)
-        self.pools = (BackendPool("prefill", proxy.prefill), BackendPool("decode", proxy.decode))
+        names = ("prefill", "decode") if proxy.disaggregated else ("backend",)
+        self.pools = tuple(BackendPool(n, getattr(proxy, n), proxy.policy) for n in names)
         self.metrics = ProxyMetrics()
         self.timeout_s = proxy.upstream_timeout_s
-        self.prefill: Hop
+        self.prefill: Hop | None = None
         self.decode: Hop
 
     @contextlib.asynccontextmanager
@@ -58,8 +62,9 @@ class ProxyState:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
             cap = proxy.max_response_bytes
-            self.prefill = Hop(self.pools[0], client, self.metrics, cap)
-            self.decode = Hop(self.pools[1], client, self.metrics, cap)
+            hops = [Hop(pool, client, self.metrics, cap) for pool in self.pools]
+            self.decode = hops[-1]
+            self.prefill = hops[0] if len(hops) == 2 else None
             async with anyio.create_task_group() as group:
                 group.start_soon(
                     poll_forever,

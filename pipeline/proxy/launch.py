@@ -8,7 +8,7 @@ from typing import Any
 
 from pipeline.logs import get_logger
 from pipeline.proxy.app import create_proxy_app
-from pipeline.proxy.options import ProxyOptions
+from pipeline.proxy.options import POLICIES, ProxyOptions
 from pipeline.server.options import ServerOptions
 
 __all__ = ["add_proxy_flags", "proxy_options", "serve_proxy"]
@@ -68,14 +68,23 @@ def serve_proxy(
 
 
 def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
-    """The :class:`ProxyOptions` flags (``--prefill``, ``--decode``, ``--health-interval``, ...)."""
+    """The :class:`ProxyOptions` flags (``--backend`` or ``--prefill`` and ``--decode``,
+    ``--policy``, ``--health-interval``, ...)."""
     parser.add_argument(
-        "--prefill", nargs="+", required=True, metavar="URL",
-        help="base URLs of the producer (prefill) servers (required; default: none)",
+        "--backend", nargs="+", default=[], metavar="URL",
+        help="base URLs of replicas that each serve whole requests (or --prefill/--decode)",
     )  # fmt: skip
     parser.add_argument(
-        "--decode", nargs="+", required=True, metavar="URL",
-        help="base URLs of the consumer (decode) servers (required; default: none)",
+        "--prefill", nargs="+", default=[], metavar="URL",
+        help="base URLs of the producer (prefill) servers (with --decode)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode", nargs="+", default=[], metavar="URL",
+        help="base URLs of the consumer (decode) servers (with --prefill)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policy", choices=POLICIES, default="round-robin",
+        help="how a pool picks a healthy backend (default: round-robin)",
     )  # fmt: skip
     fields = _defaults()
     flags = (
@@ -100,8 +109,10 @@ def _defaults() -> dict[str, Any]:
 def proxy_options(args: argparse.Namespace) -> ProxyOptions:
     """:class:`ProxyOptions` from the flags of :func:`add_proxy_flags`."""
     return ProxyOptions(
+        backend=tuple(args.backend),
         prefill=tuple(args.prefill),
         decode=tuple(args.decode),
+        policy=args.policy,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         connect_timeout_s=args.connect_timeout,

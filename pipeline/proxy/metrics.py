@@ -31,9 +31,17 @@ class ProxyMetrics:
         self.healthy = Gauge(
             "kvstep_proxy_healthy_backends", "Backends in rotation, by pool", ["pool"], registry=reg
         )
+        self.in_flight = Gauge(
+            "kvstep_proxy_in_flight_requests",
+            "Requests open on a backend through this proxy, by pool and backend",
+            ["pool", "backend"],
+            registry=reg,
+        )
 
     def render(self, pools: tuple[BackendPool, ...]) -> bytes:
         """The Prometheus text exposition, after refreshing the healthy-backend gauges."""
         for pool in pools:
             self.healthy.labels(pool.name).set(pool.num_healthy)
+            for backend in pool.backends:
+                self.in_flight.labels(pool.name, backend.url).set(backend.in_flight)
         return generate_latest(self.registry)

@@ -17,8 +17,8 @@ _MIB = 1024 * 1024
 
 
 def _urls(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, tuple) or not value:
-        raise InvalidConfigError(attribute.name, value, "must list at least one backend URL")
+    if not isinstance(value, tuple):
+        raise InvalidConfigError(attribute.name, value, "must be a tuple of backend URLs")
     for url in value:
         parts = urlsplit(url) if isinstance(url, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
@@ -45,13 +45,29 @@ def _url_tuple(value: Any) -> Any:
     return value
 
 
+#: The routing policies, by their ``--policy`` name.
+POLICIES = ("round-robin", "least-loaded")
+
+
+def _policy(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in POLICIES:
+        raise InvalidConfigError(attribute.name, value, " | ".join(POLICIES))
+
+
 @attrs.frozen(kw_only=True)
 class ProxyOptions:
     """Where ``kvstep proxy`` sends requests and how long it waits; immutable.
 
+    Either ``backend`` (replicas that serve whole requests) or both ``prefill`` and
+    ``decode`` (disaggregated serving), never both.
+
     Attributes:
-        prefill: Base URLs of the producer (prefill) servers (``http://host:port``).
+        backend: Base URLs of servers that each serve whole requests
+            (``http://host:port``): every request goes to one of them.
+        prefill: Base URLs of the producer (prefill) servers.
         decode: Base URLs of the consumer (decode) servers.
+        policy: How a pool picks among its healthy backends: ``round-robin`` in turn,
+            ``least-loaded`` the one with the fewest requests open through this proxy.
         health_interval_s: Seconds between two polls of every backend's ``/health``.
         health_timeout_s: The longest one ``/health`` poll may take (then it failed).
         connect_timeout_s: The longest a connection to a backend may take to open; a
@@ -62,10 +78,31 @@ class ProxyOptions:
             answer) the proxy reads; past it the request fails with 502.
     """
 
-    prefill: tuple[str, ...] = attrs.field(converter=_url_tuple, validator=_urls)
-    decode: tuple[str, ...] = attrs.field(converter=_url_tuple, validator=_urls)
+    backend: tuple[str, ...] = attrs.field(default=(), converter=_url_tuple, validator=_urls)
+    prefill: tuple[str, ...] = attrs.field(default=(), converter=_url_tuple, validator=_urls)
+    decode: tuple[str, ...] = attrs.field(default=(), converter=_url_tuple, validator=_urls)
+    policy: str = attrs.field(default="round-robin", validator=_policy)
     health_interval_s: float = attrs.field(default=5.0, validator=_seconds)
     health_timeout_s: float = attrs.field(default=2.0, validator=_seconds)
     connect_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
     upstream_timeout_s: float = attrs.field(default=600.0, validator=_seconds)
     max_response_bytes: int = attrs.field(default=16 * _MIB, validator=_bytes)
+
+    def __attrs_post_init__(self) -> None:
+        if self.backend:
+            for name in ("prefill", "decode"):
+                if getattr(self, name):
+                    raise InvalidConfigError(
+                        name, getattr(self, name), "must be empty when backend is given"
+                    )
+            return
+        for name in ("prefill", "decode"):
+            if not getattr(self, name):
+                raise InvalidConfigError(
+                    name, (), "must list at least one backend URL (or give backend instead)"
+                )
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether requests go through a producer and a consumer (else one backend)."""
+        return not self.backend

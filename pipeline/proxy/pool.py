@@ -1,4 +1,4 @@
-"""The backends of one pool, picked round-robin among the healthy ones."""
+"""The backends of one pool, picked by the pool's policy among the healthy ones."""
 
 from __future__ import annotations
 
@@ -17,26 +17,33 @@ class Backend:
         url: Its base URL, without a trailing slash.
         healthy: Whether it is in rotation; cleared by a failed health poll or a failed
             connection, set again by a passing health poll.
+        in_flight: Requests this proxy has open on it (sent, answer not yet closed).
     """
 
     url: str
     healthy: bool = True
+    in_flight: int = 0
 
 
 class BackendPool:
-    """A named pool (``prefill`` or ``decode``) of backends.
+    """A named pool (``backend``, ``prefill`` or ``decode``) of backends.
 
-    Only the event loop's thread touches a pool; :meth:`pick` never blocks and never
-    awaits, so two requests can never pick while a poll is half way through an update.
+    ``policy`` is ``round-robin`` (each healthy backend in turn) or ``least-loaded``
+    (the healthy backend with the fewest requests open through this proxy; ties in
+    turn). Only the event loop's thread touches a pool; :meth:`pick` never blocks and
+    never awaits, so two requests can never pick while a poll is half way through an
+    update.
     """
 
-    def __init__(self, name: str, urls: tuple[str, ...]) -> None:
+    def __init__(self, name: str, urls: tuple[str, ...], policy: str = "round-robin") -> None:
         self.name = name
+        self.policy = policy
         self.backends = tuple(Backend(url) for url in urls)
         self._turn = itertools.count()
 
     def __repr__(self) -> str:
-        return f"BackendPool({self.name!r}, healthy={self.num_healthy}/{len(self.backends)})"
+        healthy = f"{self.num_healthy}/{len(self.backends)}"
+        return f"BackendPool({self.name!r}, {self.policy}, healthy={healthy})"
 
     @property
     def num_healthy(self) -> int:
@@ -44,12 +51,14 @@ class BackendPool:
         return sum(b.healthy for b in self.backends)
 
     def pick(self, exclude: tuple[Backend, ...] = ()) -> Backend | None:
-        """The next healthy backend in round-robin order, not one of ``exclude``, or
-        ``None`` when there is none."""
+        """The healthy backend the policy chooses, not one of ``exclude``, or ``None``
+        when there is none."""
         count = len(self.backends)
         start = next(self._turn)
-        for offset in range(count):
-            backend = self.backends[(start + offset) % count]
-            if backend.healthy and backend not in exclude:
-                return backend
-        return None
+        turn = (self.backends[(start + offset) % count] for offset in range(count))
+        candidates = [b for b in turn if b.healthy and b not in exclude]
+        if not candidates:
+            return None
+        if self.policy == "least-loaded":
+            return min(candidates, key=lambda b: b.in_flight)  # the first of ties
+        return candidates[0]

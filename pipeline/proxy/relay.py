@@ -45,8 +45,7 @@ class RelayResponse(Response):
                 await _until_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            with anyio.move_on_after(5, shield=True):
-                await self._sent.response.aclose()
+            await self._sent.aclose()
 
     async def _relay(self, send: Send, scope: anyio.CancelScope) -> None:
         try:

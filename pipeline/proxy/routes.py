@@ -1,6 +1,8 @@
-"""The two-hop routes: ``/v1/completions`` and ``/v1/chat/completions``.
+"""The routes ``/v1/completions`` and ``/v1/chat/completions``.
 
-Each request goes first to a producer (prefill) backend, as itself but for
+In front of replicas (``--backend``) a request goes to the one the pool's policy picks,
+and the client gets its answer unchanged. In front of disaggregated pools, each request
+goes first to a producer (prefill) backend, as itself but for
 ``max_tokens: 1`` (``max_completion_tokens: 1`` when the client used that instead),
 ``stream: false`` and
 ``kv_transfer_params: {"do_remote_decode": true}``; the ``kv_transfer_params`` of its
@@ -31,40 +33,49 @@ _ANSWER_HEADERS = ("content-type", "cache-control", "x-kvstep-ignored-fields")
 
 
 async def completions(request: Request) -> Response:
-    """``POST /v1/completions`` through a producer and a consumer."""
-    return await _two_hop(request, "/v1/completions")
+    """``POST /v1/completions`` through a replica, or a producer and a consumer."""
+    return await _route(request, "/v1/completions")
 
 
 async def chat_completions(request: Request) -> Response:
-    """``POST /v1/chat/completions`` through a producer and a consumer."""
-    return await _two_hop(request, "/v1/chat/completions")
+    """``POST /v1/chat/completions`` through a replica, or a producer and a consumer."""
+    return await _route(request, "/v1/chat/completions")
 
 
-async def _two_hop(request: Request, path: str) -> Response:
+async def _route(request: Request, path: str) -> Response:
     state = request.app.state.kvstep
     body = await read_body(request)
     if isinstance(body, Response):  # the client left mid-body
         return body
     if not isinstance(body, dict):
         raise InvalidRequestError("body", short_value(body), "must be a JSON object")
+    rid = request_id(request)
+    headers = _upstream_headers(request, rid)
+    if state.prefill is None:  # replicas: one hop
+        return await _forward(state.decode, path, body, headers, rid, state.timeout_s)
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > 1:
         raise InvalidRequestError("n", n, "must be 1 behind kvstep proxy (one decode per prefill)")
-    rid = request_id(request)
-    headers = _upstream_headers(request, rid)
     prefilled = await _prefill(state.prefill, path, body, headers, rid, state.timeout_s)
     if isinstance(prefilled, Response):
         return prefilled
     decode_body = dict(body)
     if prefilled:
         decode_body["kv_transfer_params"] = prefilled
-    sent = await state.decode.send(path, decode_body, headers, rid)
+    return await _forward(state.decode, path, decode_body, headers, rid, state.timeout_s)
+
+
+async def _forward(
+    hop: Hop, path: str, body: dict[str, Any], headers: dict[str, str], rid: str, timeout: float
+) -> Response:
+    """``body`` sent through ``hop``; its answer relayed (a stream) or read."""
+    sent = await hop.send(path, body, headers, rid)
     status = sent.response.status_code
     media_type = sent.response.headers.get("content-type", "")
     if status < 400 and media_type.startswith("text/event-stream"):
-        return RelayResponse(sent, state.decode, rid, _answer_headers(sent))
-    content = await state.decode.read(sent, rid, state.timeout_s)
-    return _answer(state.decode, sent, content, rid)
+        return RelayResponse(sent, hop, rid, _answer_headers(sent))
+    content = await hop.read(sent, rid, timeout)
+    return _answer(hop, sent, content, rid)
 
 
 async def _prefill(

@@ -31,17 +31,30 @@ def bad_gateway(pool: str, rid: str) -> HTTPProblem:
     return HTTPProblem(502, message, kind="upstream_error", code="bad_gateway")
 
 
-@attrs.frozen
+@attrs.define(eq=False)
 class Sent:
-    """A backend's answer, its headers read and its body not yet.
+    """A backend's answer, its headers read and its body not yet; it counts in its
+    backend's ``in_flight`` until :meth:`aclose`.
 
     Attributes:
         backend: The backend that answered.
-        response: Its open streaming response; the receiver must ``aclose()`` it.
+        response: Its open streaming response; the receiver must :meth:`aclose` this.
     """
 
     backend: Backend
     response: httpx.Response
+    _open: bool = attrs.field(default=True, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.backend.in_flight += 1
+
+    async def aclose(self) -> None:
+        """Close the response (bounded, shielded) and stop counting it; idempotent."""
+        if self._open:
+            self._open = False
+            self.backend.in_flight -= 1
+        with anyio.move_on_after(5, shield=True):
+            await self.response.aclose()
 
 
 @attrs.frozen
@@ -115,8 +128,7 @@ class Hop:
             self.failed(sent.backend, _kind(exc), exc, rid)
             raise bad_gateway(self.pool.name, rid) from None
         finally:
-            with anyio.move_on_after(5, shield=True):
-                await sent.response.aclose()
+            await sent.aclose()
 
     def failed(self, backend: Backend, kind: str, detail: object, rid: str) -> None:
         """Count and log a failure of ``backend`` (``kind``: a metrics label)."""
