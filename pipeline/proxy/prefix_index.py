@@ -1,0 +1,117 @@
+"""``PrefixIndex``: which replica holds which KV blocks, as their KV events tell.
+
+A router fed with every replica's ``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared`` events keeps, per block hash, the set of replicas that hold it (a
+bit mask over the replicas' slots). Since a block's hash chains its whole prefix
+(:func:`~stages.schedule.hashing.hash_request_tokens`), a replica's cached prefix of a
+prompt is the run of the prompt's block hashes it holds from the first one on:
+:meth:`PrefixIndex.match` walks the prompt's hashes once, for all replicas at a time.
+
+Memory is bounded: past ``max_blocks`` hashes the oldest stored are forgotten (the index
+then under-estimates a hit, never invents one). Only the event loop's thread touches an
+index; nothing here blocks, and a match costs one dict lookup per prompt block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from pipeline.checks import check_int
+from pipeline.errors import InvalidConfigError
+
+__all__ = ["PrefixIndex"]
+
+
+class PrefixIndex:
+    """Block hashes held by each of ``replicas`` (see the module).
+
+    Args:
+        replicas: The replicas' names (e.g. base URLs), each given a slot.
+        max_blocks: The most distinct hashes kept.
+
+    Raises:
+        InvalidConfigError: No replica, a name twice, or ``max_blocks`` below 1.
+    """
+
+    def __init__(self, replicas: Sequence[str], max_blocks: int = 1 << 20) -> None:
+        if not replicas or len(set(replicas)) != len(replicas):
+            raise InvalidConfigError("replicas", tuple(replicas), "distinct names, at least one")
+        self.max_blocks = check_int("max_blocks", max_blocks, InvalidConfigError, lo=1)
+        self.replicas = tuple(replicas)
+        self._bit = {name: 1 << slot for slot, name in enumerate(self.replicas)}
+        self._held: dict[bytes, int] = {}  # hash -> mask of the replicas holding it
+        self._counts = dict.fromkeys(self.replicas, 0)
+        self.forgotten = 0  # hashes dropped to stay within max_blocks
+
+    def __len__(self) -> int:
+        """Distinct hashes held by some replica."""
+        return len(self._held)
+
+    def num_blocks(self, replica: str) -> int:
+        """How many blocks ``replica`` holds, as far as the index knows."""
+        return self._counts[replica]
+
+    def stored(self, replica: str, hashes: Iterable[bytes]) -> None:
+        """``replica`` now holds each of ``hashes``."""
+        bit, held, counts = self._bit[replica], self._held, self._counts
+        for block_hash in hashes:
+            mask = held.pop(block_hash, 0)  # re-inserted: the newest last
+            held[block_hash] = mask | bit
+            if not mask & bit:
+                counts[replica] += 1
+        while len(held) > self.max_blocks:
+            self._drop(next(iter(held)))
+
+    def removed(self, replica: str, hashes: Iterable[bytes]) -> None:
+        """``replica`` no longer holds ``hashes`` (unknown ones are ignored)."""
+        bit, held = self._bit[replica], self._held
+        for block_hash in hashes:
+            mask = held.get(block_hash, 0)
+            if mask & bit:
+                self._counts[replica] -= 1
+                if mask == bit:
+                    del held[block_hash]
+                else:
+                    held[block_hash] = mask & ~bit
+
+    def cleared(self, replica: str) -> None:
+        """``replica`` holds nothing (its ``AllBlocksCleared``, a restart, a gap in its
+        events that cannot be replayed, or its death)."""
+        bit, held = self._bit[replica], self._held
+        if not self._counts[replica]:
+            return
+        for block_hash, mask in list(held.items()):
+            if mask & bit:
+                if mask == bit:
+                    del held[block_hash]
+                else:
+                    held[block_hash] = mask & ~bit
+        self._counts[replica] = 0
+
+    def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """For each replica, how many of ``hashes`` it holds from the first one on (its
+        cached prefix of the prompt, in blocks)."""
+        depth = dict.fromkeys(self.replicas, 0)
+        alive = (1 << len(self.replicas)) - 1
+        held = self._held
+        for index, block_hash in enumerate(hashes):
+            still = alive & held.get(block_hash, 0)
+            if still != alive:
+                self._settle(depth, alive & ~still, index)
+                alive = still
+                if not alive:
+                    return depth
+        self._settle(depth, alive, len(hashes))
+        return depth
+
+    def _settle(self, depth: dict[str, int], mask: int, value: int) -> None:
+        for slot, name in enumerate(self.replicas):
+            if mask >> slot & 1:
+                depth[name] = value
+
+    def _drop(self, block_hash: bytes) -> None:
+        mask = self._held.pop(block_hash)
+        self.forgotten += 1
+        for slot, name in enumerate(self.replicas):
+            if mask >> slot & 1:
+                self._counts[name] -= 1
