@@ -22,6 +22,9 @@ of the execute/fan_in stages themselves (``execute`` runs the ranks under the de
 ``fan_in`` merges their outputs; the two together do what they did when ``fan_in``
 awaited the ranks, so the numbers compare across that change).
 
+KV events (``_kv_events_cost.py``): a scheduler step (fake model, evicting pool) with
+events off, collected and published, steps/10 steps per variant: "no cost when off".
+
     python benchmarks/step_overhead.py [--steps N] [--json PATH] [--backend asyncio|trio]
 """
 
@@ -43,6 +46,7 @@ import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _kv_events_cost import measure_kv_events, print_kv_events
 from _noop import NoopStage
 
 from pipeline.artifacts import (
@@ -343,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     rows = anyio.run(measure, args.steps, backend=args.backend)
     fan_in = anyio.run(measure_fan_in, args.steps, backend=args.backend)
+    kv_events = measure_kv_events(max(1, args.steps // 10))
     result = {
         "benchmark": "step_overhead",
         "backend": args.backend,
@@ -352,9 +357,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "goal_added_us": 50.0,
         "results": rows,
         "fan_in": fan_in,
+        "kv_events": kv_events,
     }
     print_table(rows, args.backend, args.steps)
     print_fan_in(fan_in, args.backend, args.steps)
+    print_kv_events(kv_events)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {args.json}")

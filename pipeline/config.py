@@ -25,6 +25,7 @@ from pipeline.checks import (
     redact,
 )
 from pipeline.errors import InvalidConfigError
+from pipeline.kv_events.config import KVEventsConfig, kv_events_config
 from pipeline.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
@@ -41,6 +42,7 @@ __all__ = [
     "MAX_TOKENS_LIMIT",
     "SAMPLING_EPS",
     "EngineConfig",
+    "KVEventsConfig",
     "SamplingParams",
     "config_values",
 ]
@@ -173,6 +175,10 @@ class EngineConfig:
             wait for the others; then it expires: a send frees its blocks, a load fails
             its request (``finish_reason="error"``). ``math.inf`` waits forever.
         seed: Seed of the sampler for requests without their own seed.
+        kv_events: Publish the KV cache events of the block pool (vLLM's schema, on
+            ZeroMQ): a ``KVEventsConfig``, a PUB endpoint such as ``tcp://*:5557``, or a
+            dict (JSON object) of ``KVEventsConfig`` fields, e.g. ``{"endpoint":
+            "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}``; ``None``: off.
     """
 
     model: str = attrs.field(default="builtin:tiny", validator=_model)
@@ -201,6 +207,7 @@ class EngineConfig:
     finalizer_timeout_s: float = attrs.field(default=30.0, validator=_non_negative_float)
     transfer_lease_s: float = attrs.field(default=60.0, validator=_positive_float)
     seed: int = attrs.field(default=0, validator=_int64)
+    kv_events: KVEventsConfig | None = attrs.field(default=None, converter=kv_events_config)
 
 
 def config_values(config: EngineConfig, spec: type[Any], **renamed: str) -> dict[str, Any]:

@@ -40,6 +40,19 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _endpoint_or_json(text: str) -> str | dict[str, Any]:
+    """The value of ``--kv-events-endpoint``: an endpoint, or a JSON object of fields."""
+    return _json_object(text) if text.lstrip().startswith("{") else text
+
+
+#: Fields whose flag is not ``--`` + the field name, and what that flag parses.
+_FLAGS: dict[str, tuple[str, Any]] = {"kv_events": ("--kv-events-endpoint", _endpoint_or_json)}
+
+
+def _flag(field: str) -> str:
+    return _FLAGS[field][0] if field in _FLAGS else "--" + field.replace("_", "-")
+
+
 def _flag_kind(hint: Any) -> type:
     """What a field's flag parses to: ``bool``, ``int``, ``float``, ``dict`` or ``str``."""
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
@@ -55,10 +68,19 @@ def _add_config_flags(
 ) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for field in attrs.fields(EngineConfig):
-        flag = "--" + field.name.replace("_", "-")
+        flag = _flag(field.name)
         kind = _flag_kind(hints[field.name])
         text = config_flag_help(field, defaults)
-        if kind is bool:
+        if field.name in _FLAGS:
+            parser.add_argument(
+                flag,
+                dest=field.name,
+                type=_FLAGS[field.name][1],
+                default=None,
+                metavar="ENDPOINT|JSON",
+                help=text,
+            )
+        elif kind is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=text
             )
@@ -290,7 +312,7 @@ def _config_error(args: argparse.Namespace, exc: InvalidConfigError) -> str:
     field = re.split(r"[\[.]", exc.field, maxsplit=1)[0]
     given = field in attrs.fields_dict(EngineConfig) and getattr(args, field, None) is not None
     if given:
-        flag = "--" + field.replace("_", "-")
+        flag = _flag(field)
         return f"kvstep {args.command}: error: argument {flag}: {exc}"
     return f"kvstep: error: {exc}"
 

@@ -20,6 +20,7 @@ from connectors.registry import create_connector, get_connector
 from pipeline.artifacts import EngineStepOutput, SchedulerOutput
 from pipeline.checks import check_float
 from pipeline.config import EngineConfig, SamplingParams
+from pipeline.engine.kv_events import start_kv_events
 from pipeline.engine.output_text import OutputText
 from pipeline.engine.step_record import record_engine_step
 from pipeline.errors import EngineDeadError, InvalidRequestError, StepCancelledError
@@ -118,6 +119,11 @@ class EngineCore:
         )
         self._ids = itertools.count()
         self._closed = False
+        try:  # last: nothing after it can fail and leave its thread running
+            self.kv_events = start_kv_events(config, self.scheduler.kv_cache_manager.block_pool)
+        except BaseException:
+            self._abandon()
+            raise
 
     def _abandon(self) -> None:
         """Release what a failed ``__init__`` had started (worker processes, runners)."""
@@ -288,6 +294,8 @@ class EngineCore:
                     _log.error("step_finalizers_failed", step_id=ctx.step_id, error=repr(exc))
             finally:
                 self._add_text(ctx)
+                if self.kv_events is not None:
+                    self.kv_events.flush()
                 if ctx.report is not None:
                     record_engine_step(self.step_log, ctx)
         return ctx.get(EngineStepOutput)
@@ -327,4 +335,6 @@ class EngineCore:
         try:
             await self.executor.shutdown()
         finally:
+            if self.kv_events is not None:
+                self.kv_events.close()
             self.step_log.close()

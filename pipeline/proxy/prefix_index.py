@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 
 from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError
+from pipeline.kv_events.events import ExternalBlockHash
 
 __all__ = ["PrefixIndex"]
 
@@ -39,7 +40,7 @@ class PrefixIndex:
         self.max_blocks = check_int("max_blocks", max_blocks, InvalidConfigError, lo=1)
         self.replicas = tuple(replicas)
         self._bit = {name: 1 << slot for slot, name in enumerate(self.replicas)}
-        self._held: dict[bytes, int] = {}  # hash -> mask of the replicas holding it
+        self._held: dict[ExternalBlockHash, int] = {}  # hash -> mask of the replicas holding it
         self._counts = dict.fromkeys(self.replicas, 0)
         self.forgotten = 0  # hashes dropped to stay within max_blocks
 
@@ -51,7 +52,7 @@ class PrefixIndex:
         """How many blocks ``replica`` holds, as far as the index knows."""
         return self._counts[replica]
 
-    def stored(self, replica: str, hashes: Iterable[bytes]) -> None:
+    def stored(self, replica: str, hashes: Iterable[ExternalBlockHash]) -> None:
         """``replica`` now holds each of ``hashes``."""
         bit, held, counts = self._bit[replica], self._held, self._counts
         for block_hash in hashes:
@@ -62,7 +63,7 @@ class PrefixIndex:
         while len(held) > self.max_blocks:
             self._drop(next(iter(held)))
 
-    def removed(self, replica: str, hashes: Iterable[bytes]) -> None:
+    def removed(self, replica: str, hashes: Iterable[ExternalBlockHash]) -> None:
         """``replica`` no longer holds ``hashes`` (unknown ones are ignored)."""
         bit, held = self._bit[replica], self._held
         for block_hash in hashes:
@@ -88,7 +89,7 @@ class PrefixIndex:
                     held[block_hash] = mask & ~bit
         self._counts[replica] = 0
 
-    def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
+    def match(self, hashes: Sequence[ExternalBlockHash]) -> dict[str, int]:
         """For each replica, how many of ``hashes`` it holds from the first one on (its
         cached prefix of the prompt, in blocks)."""
         depth = dict.fromkeys(self.replicas, 0)
@@ -109,7 +110,7 @@ class PrefixIndex:
             if mask >> slot & 1:
                 depth[name] = value
 
-    def _drop(self, block_hash: bytes) -> None:
+    def _drop(self, block_hash: ExternalBlockHash) -> None:
         mask = self._held.pop(block_hash)
         self.forgotten += 1
         for slot, name in enumerate(self.replicas):

@@ -212,15 +212,17 @@ async def _health(request: Request) -> Response:
         body |= error_body(reason, "service_unavailable_error", "engine_unavailable")
         return JSONResponse(body, status_code=503)
     engine = state.running_engine()
-    return JSONResponse(
-        {
-            "status": "ok",
-            "requests": engine.num_requests,
-            "steps": engine.num_steps,
-            "leaks": engine.leak_report(),
-            "loop_lag": state.lag.snapshot(),
-        }
-    )
+    ok: dict[str, Any] = {
+        "status": "ok",
+        "requests": engine.num_requests,
+        "steps": engine.num_steps,
+        "leaks": engine.leak_report(),
+        "loop_lag": state.lag.snapshot(),
+    }
+    events = engine.core.kv_events
+    if events is not None:  # where a router subscribes (a bound wildcard host reads 0.0.0.0)
+        ok["kv_events"] = events.publisher.describe()
+    return JSONResponse(ok)
 
 
 async def _metrics(request: Request) -> Response:

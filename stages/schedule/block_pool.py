@@ -6,6 +6,12 @@ first; if it is full and cached it keeps its hash there and can still be hit by 
 request (which takes it back out of the queue), until :meth:`BlockPool.get_new_blocks`
 evicts it, least recently freed first, and drops its hash.
 
+With KV events on, :attr:`BlockPool.kv_events` is a
+:class:`~pipeline.kv_events.KVEventSink` and the pool reports each hash entering the
+prefix cache (``BlockStored``), leaving it (``BlockRemoved``: eviction, :meth:`uncache`)
+and :meth:`reset_prefix_cache` (``AllBlocksCleared``), so that the events describe
+:attr:`BlockPool.cached` exactly. Off (``None``, the default), no event is made.
+
 The pool is plain synchronous bookkeeping, owned by one scheduler; it is not
 thread-safe and never blocks.
 """
@@ -14,9 +20,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from pipeline.kv_events.sink import KVEventSink
 
 __all__ = ["BlockPool", "KVCacheBlock"]
 
@@ -62,6 +72,8 @@ class BlockPool:
             (block.block_id, block) for block in self.blocks
         )
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.kv_events: KVEventSink | None = None
+        """Where the pool reports cache changes while KV events are on, else ``None``."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -128,13 +140,29 @@ class BlockPool:
                 self._free[block.block_id] = block
 
     def cache_full_blocks(
-        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes]
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[bytes],
+        *,
+        parent_hash: bytes | None = None,
+        token_ids: Sequence[int] = (),
+        first_token: int = 0,
     ) -> list[KVCacheBlock]:
         """Register each full block under its hash (pairwise).
 
         A block that already has a hash is left as it is. When another block is already
         cached under the same hash (the same prefix computed twice), the new block stays
         uncached and the existing entry wins.
+
+        Args:
+            blocks: Consecutive full blocks of one request.
+            block_hashes: Their chained hashes.
+            parent_hash: The hash of the request's block before ``blocks[0]`` (``None``
+                when ``blocks[0]`` starts the request); read only by KV events.
+            token_ids: Tokens from which ``token_ids[first_token:]`` are those of
+                ``blocks`` (the request's whole token list: no copy is made unless KV
+                events are on, when they are read).
+            first_token: See ``token_ids``.
 
         Returns:
             The blocks registered by this call.
@@ -150,7 +178,37 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
             registered.append(block)
+        if self.kv_events is not None and registered:
+            self._report_stored(
+                registered, blocks, block_hashes, parent_hash, token_ids, first_token
+            )
         return registered
+
+    def _report_stored(
+        self,
+        registered: list[KVCacheBlock],
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[bytes],
+        parent_hash: bytes | None,
+        token_ids: Sequence[int],
+        first_token: int,
+    ) -> None:
+        """One ``BlockStored`` per run of consecutive ``blocks`` that were ``registered``."""
+        sink = self.kv_events
+        assert sink is not None
+        size = sink.block_size
+        new = {block.block_id for block in registered}
+        start: int | None = None
+        for index in range(len(blocks) + 1):
+            inside = index < len(blocks) and blocks[index].block_id in new
+            if inside and start is None:
+                start = index
+            elif not inside and start is not None:
+                parent = block_hashes[start - 1] if start else parent_hash
+                first = first_token + start * size
+                tokens = token_ids[first : first + (index - start) * size]
+                sink.stored(block_hashes[start:index], parent, tokens)
+                start = None
 
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> int:
         """Remove blocks from the prefix cache (their KV must not be reused).
@@ -174,6 +232,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True
 
     def leak_report(self) -> dict[int, int]:
@@ -187,5 +247,7 @@ class BlockPool:
         block.block_hash = None
         if self.cached.get(block_hash) is block:
             del self.cached[block_hash]
+            if self.kv_events is not None:
+                self.kv_events.removed(block_hash)
             return True
         return False

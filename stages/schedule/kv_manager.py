@@ -140,7 +140,11 @@ class KVCacheManager:
         if end <= start:
             return []
         registered = self.block_pool.cache_full_blocks(
-            blocks[start:end], request.block_hashes[start:end]
+            blocks[start:end],
+            request.block_hashes[start:end],
+            parent_hash=request.block_hashes[start - 1] if start else None,
+            token_ids=request.all_token_ids,
+            first_token=start * self.block_size,
         )
         self._num_cached_blocks[req_id] = end
         if registered:

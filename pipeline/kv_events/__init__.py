@@ -1,0 +1,62 @@
+"""KV cache events: what a replica's caches hold, published for routers (vLLM's schema).
+
+The block pool reports into a :class:`KVEventSink`; the engine publishes each step's
+events as one :class:`KVEventBatch` through a :class:`ZmqEventPublisher` (PUB socket and
+replay ROUTER socket); a router reads them with a :class:`KVEventSubscriber`, keeps a
+:class:`KVBlockIndex` per replica, and hashes prompts with :func:`prompt_block_hashes`.
+The schema and wire format are described in :mod:`pipeline.kv_events.events` and
+:mod:`pipeline.kv_events.publisher`. ``pyzmq`` is needed only once a publisher or
+subscriber is made.
+"""
+
+from pipeline.kv_events.config import KVEventsConfig, kv_events_config
+from pipeline.kv_events.events import (
+    HASH_FORMATS,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    ExternalBlockHash,
+    KVCacheEvent,
+    KVEvent,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    external_block_hash,
+)
+from pipeline.kv_events.hashing import prompt_block_digests, prompt_block_hashes
+from pipeline.kv_events.index import KVBlockIndex
+from pipeline.kv_events.publisher import END_SEQ, BatchQueue, ZmqEventPublisher
+from pipeline.kv_events.sink import KVEventSink
+from pipeline.kv_events.subscriber import KVEventSubscriber, ReplayResult, SequencedBatch
+
+__all__ = [
+    "END_SEQ",
+    "HASH_FORMATS",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BatchQueue",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "ExternalBlockHash",
+    "KVBlockIndex",
+    "KVCacheEvent",
+    "KVEvent",
+    "KVEventBatch",
+    "KVEventSink",
+    "KVEventSubscriber",
+    "KVEventsConfig",
+    "ReplayResult",
+    "SequencedBatch",
+    "ZmqEventPublisher",
+    "decode_batch",
+    "encode_batch",
+    "external_block_hash",
+    "kv_events_config",
+    "prompt_block_digests",
+    "prompt_block_hashes",
+]

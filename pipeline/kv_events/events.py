@@ -1,0 +1,176 @@
+"""The KV cache events and their wire encoding, readable by routers written for vLLM.
+
+A replica publishes what its caches hold: :class:`BlockStored` when full blocks enter a
+cache under their hashes, :class:`BlockRemoved` when hashes leave it, and
+:class:`AllBlocksCleared` when a cache is emptied. The events of one engine step travel
+together in a :class:`KVEventBatch`.
+
+**Schema.** Field names, order and meaning are those of vLLM's
+``vllm/distributed/kv_events.py`` in its tagged-array form: from the ``lora_name`` field
+(vllm-project/vllm#27577) up to the switch to map encoding (vllm-project/vllm#42892).
+Each struct is a msgspec ``array_like`` struct, so it encodes (msgpack) as a positional
+array; the event structs are ``tag=True``, so each event array starts with its class name::
+
+    KVEventBatch  = [ts, [event, ...], data_parallel_rank]
+    BlockStored   = ["BlockStored", block_hashes, parent_block_hash, token_ids,
+                     block_size, lora_id, medium, lora_name]
+    BlockRemoved  = ["BlockRemoved", block_hashes, medium]
+    AllBlocksCleared = ["AllBlocksCleared"]
+
+Differences from vLLM, all compatible with its decoders: ``BlockStored`` stops at
+``lora_name`` (vLLM's later optional fields ``extra_keys``, ``group_idx`` and the
+cache-spec fields default to ``None`` on decode; a decoder of the older seven-field schema
+ignores the trailing ``lora_name``, as msgspec ignores extra trailing array items);
+``BlockRemoved`` has no ``group_idx`` (optional in vLLM); kvstep has one KV cache group,
+no LoRA (``lora_id`` and ``lora_name`` are always ``None``) and no data parallelism
+(``data_parallel_rank`` is ``0``, as vLLM's rank-0 publisher sends).
+
+**Block hashes on the wire** (vLLM's ``ExternalBlockHash``, ``bytes | int``): by default
+the low 64 bits of the 32-byte SHA-256 digest as an unsigned int, exactly as vLLM with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (its default) converts its digests
+(:func:`external_block_hash`); with ``KVEventsConfig(hash_format="bytes")`` the whole
+32-byte digest. The digests are those of :mod:`stages.schedule.hashing` (vLLM's
+``sha256_cbor`` chain from the engine's ``hash_seed``); a router recomputes them with
+:func:`pipeline.kv_events.prompt_block_hashes`.
+
+Unlike vLLM's pool, kvstep's keeps one block per hash (a second block computed for a
+cached hash stays uncached), so its events describe the set of cached hashes exactly: a
+hash is stored once and removed once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "HASH_FORMATS",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BlockStored",
+    "BlockRemoved",
+    "EventBatch",
+    "ExternalBlockHash",
+    "KVCacheEvent",
+    "KVEvent",
+    "KVEventBatch",
+    "decode_batch",
+    "encode_batch",
+    "external_block_hash",
+]
+
+MEDIUM_GPU = "GPU"
+"""The ``medium`` of the device tier on a CUDA device (vLLM's ``MEDIUM_GPU``)."""
+MEDIUM_CPU = "CPU"
+"""The ``medium`` of a host-memory tier, and of the device tier of a CPU engine."""
+
+ExternalBlockHash = bytes | int
+"""A block hash as it appears in an event (vLLM's ``ExternalBlockHash``)."""
+
+HASH_FORMATS = ("int", "bytes")
+"""How hashes appear on the wire: ``"int"`` (low 64 bits, vLLM's default) or ``"bytes"``."""
+
+_LOW_64 = (1 << 64) - 1
+
+
+def external_block_hash(digest: bytes, hash_format: Literal["int", "bytes"] = "int") -> Any:
+    """A block's hash as events carry it.
+
+    Args:
+        digest: The 32-byte chained SHA-256 digest of the block.
+        hash_format: ``"int"``: the digest's low 64 bits as an unsigned int (the big-endian
+            value of its last 8 bytes), as vLLM's ``maybe_convert_block_hash``;
+            ``"bytes"``: the digest itself.
+    """
+    if hash_format == "bytes":
+        return digest
+    return int.from_bytes(digest, "big") & _LOW_64
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The events of one engine step.
+
+    Attributes:
+        ts: When the batch was made (``time.time()``, seconds since the epoch).
+        events: The step's events, in the order they happened.
+        data_parallel_rank: The publishing engine's data-parallel rank (``0``).
+    """
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class of the KV cache events (tagged by class name on the wire)."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks entered a cache under their hashes.
+
+    Attributes:
+        block_hashes: The blocks' hashes, a chain in prefix order (each block's parent is
+            the one before it).
+        parent_block_hash: The hash of the block before the first one (``None`` when the
+            first block starts the prompt).
+        token_ids: The blocks' tokens, ``block_size`` per block, in order.
+        block_size: Tokens per block.
+        lora_id: Always ``None`` (kvstep serves no LoRA adapters).
+        medium: The cache tier that holds them (``"GPU"``, ``"CPU"``, ...).
+        lora_name: Always ``None``.
+    """
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Hashes left a cache (their blocks were evicted or must not be reused).
+
+    Attributes:
+        block_hashes: The hashes removed.
+        medium: The cache tier they left.
+    """
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """Every hash left the publishing engine's caches."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+"""Any one KV cache event."""
+
+
+class KVEventBatch(EventBatch):
+    """An :class:`EventBatch` of KV cache events (what a subscriber decodes)."""
+
+    events: list[KVEvent]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """The msgpack payload of ``batch`` (the third frame of a published message)."""
+    return _ENCODER.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode a payload.
+
+    Raises:
+        msgspec.DecodeError: ``payload`` is not a valid ``KVEventBatch`` (a
+            ``msgspec.ValidationError`` when it is msgpack of the wrong shape).
+    """
+    return _DECODER.decode(payload)

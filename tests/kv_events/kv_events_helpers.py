@@ -1,0 +1,25 @@
+"""Shared by the KV event tests: a subscriber drained up to the publisher's last batch."""
+
+from __future__ import annotations
+
+import time
+
+from pipeline.kv_events import KVBlockIndex, KVEvent, KVEventSubscriber, ZmqEventPublisher
+
+DRAIN_LIMIT_S = 30.0  # a bound on a hang, never a timing assertion
+
+
+def drain(sub: KVEventSubscriber, pub: ZmqEventPublisher, index: KVBlockIndex) -> list[KVEvent]:
+    """Apply every batch ``pub`` has numbered so far, live or replayed, in order; return
+    their events."""
+    events: list[KVEvent] = []
+    give_up = time.monotonic() + DRAIN_LIMIT_S
+    while sub.next_seq < pub.next_seq:
+        assert time.monotonic() < give_up, f"stuck at seq {sub.next_seq} of {pub.next_seq}"
+        got = sub.poll(0.2)
+        if not got:  # a slow joiner missed the tail: ask the replay socket
+            got = sub.catch_up(5.0)
+        for item in got:
+            index.apply(item.batch)
+            events.extend(item.batch.events)
+    return events
