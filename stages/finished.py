@@ -20,9 +20,29 @@ from pipeline.kernel.context import StepContext
 __all__ = ["FinishedStage"]
 
 
+@attrs.define
+class _Reports:
+    """Transfers ``get_finished`` handed over that no step's output has carried yet."""
+
+    sending: set[str] = attrs.Factory(set)
+    recving: set[str] = attrs.Factory(set)
+
+    def take(self) -> tuple[frozenset[str], frozenset[str]]:
+        taken = frozenset(self.sending), frozenset(self.recving)
+        self.sending.clear()
+        self.recving.clear()
+        return taken
+
+
 @attrs.frozen
 class FinishedStage:
-    """Asks the connector which transfers finished and which blocks failed to load."""
+    """Asks the connector which transfers finished and which blocks failed to load.
+
+    ``get_finished`` hands its reports over once; when a query after it (the stats, the
+    load errors) fails the step, the reports are kept and go out with the next step
+    that reaches this stage, so a finished transfer is never lost (the scheduler side
+    takes a report twice as once).
+    """
 
     name: ClassVar[str] = "finished"
     requires: ClassVar[tuple[type, ...]] = (SchedulerOutput, SampledTokens, SaveResult)
@@ -30,6 +50,7 @@ class FinishedStage:
 
     rank: int = 0
     connector: KVConnectorWorker | None = None
+    _pending: _Reports = attrs.field(factory=_Reports, init=False, repr=False, eq=False)
 
     async def run(self, ctx: StepContext) -> WorkerOutput:
         scheduler_output = ctx.get(SchedulerOutput)
@@ -48,14 +69,19 @@ class FinishedStage:
                 prompt_logprobs=samples.prompt_logprobs,
             )
         finished = await self.connector.get_finished(scheduler_output.finished_req_ids)
+        pending = self._pending
+        pending.sending.update(finished.sending)
+        pending.recving.update(finished.recving)
         loaded_tokens, loaded_bytes, saved_tokens, saved_bytes = self.connector.get_kv_stats()
+        invalid = frozenset(self.connector.get_block_ids_with_load_errors())
+        sending, recving = pending.take()
         return WorkerOutput(
             rank=self.rank,
             step_id=scheduler_output.step_id,
             sampled_token_ids=sampled,
-            finished_sending=frozenset(finished.sending),
-            finished_recving=frozenset(finished.recving),
-            invalid_block_ids=frozenset(self.connector.get_block_ids_with_load_errors()),
+            finished_sending=sending,
+            finished_recving=recving,
+            invalid_block_ids=invalid,
             failed_save_req_ids=failed_saves,
             request_errors=samples.errors,
             logprobs=samples.logprobs,

@@ -8,6 +8,12 @@ the configured :class:`~connectors.testing.fault_spec.Fault` s at a chosen call,
         "faults": [{"call": "wait_for_save", "action": "raise", "step": 3, "rank": 1}],
     })
 
+The inner halves are built with the wrapper's context (fingerprint, block size, rank and
+world size) and ``inner_options`` as their options, and their answers come back as they
+are unless a ``corrupt`` fault fires (``request_finished``'s ``delay_free`` and
+``kv_transfer_params`` included), so it wraps ``nixl`` too: ``{"inner": "nixl",
+"inner_options": {"role": "consumer", "port": 5700}}``.
+
 A fault matches a call when ``call`` names it and ``step`` / ``rank`` / ``layer`` (each
 ``None``: any) agree. The step of a call is the ``step_id`` bound in structlog's
 contextvars: the engine binds it for every step on both sides, worker threads included

@@ -20,6 +20,15 @@ from typing import Any
 import anyio
 import attrs
 import pytest
+from fault_schedule import (
+    WORKER_CALLS,
+    Client,
+    Seen,
+    check_clears,
+    check_request,
+    holds_at_most,
+    until_idle,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,7 +54,6 @@ from pipeline import (
     StepGraph,
     WorkerOutput,
 )
-from pipeline.errors import StepFailure
 
 STAGE_ARTIFACTS: dict[str, type] = {
     "bind": MetadataBound,
@@ -55,17 +63,6 @@ STAGE_ARTIFACTS: dict[str, type] = {
     "save": SaveResult,
     "finished": WorkerOutput,
 }
-WORKER_CALLS = (
-    "bind_connector_metadata",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_finished",
-    "get_block_ids_with_load_errors",
-    "get_kv_stats",
-    "clear_connector_metadata",
-)
 # Scheduler-side faults: a raising call fails at most the requests it was about.
 SCHEDULER_FAULTS = (
     ("get_num_new_matched_tokens", "corrupt"),
@@ -79,7 +76,6 @@ SCHEDULER_FAULTS = (
     ("update_connector_output", "raise"),
 )
 LAST_FAULT_STEP = 8
-CLEAR = "clear_connector_metadata"
 
 
 @pytest.fixture(autouse=True)
@@ -92,17 +88,6 @@ def _reset() -> Iterator[None]:
 
 
 # -- the random schedule ---------------------------------------------------------------
-
-
-@attrs.frozen
-class Client:
-    """One request: its prompt, how long it waits to arrive, and whether it aborts."""
-
-    prompt: tuple[int, ...]
-    max_tokens: int
-    arrive_after: int  # engine steps
-    abort: str | None  # None | "client" (stops reading mid-stream) | "engine" (engine.abort)
-    abort_after: int  # outputs received first
 
 
 LAST = Client(prompt=(7, 8, 9), max_tokens=2, arrive_after=0, abort=None, abort_after=0)
@@ -230,16 +215,6 @@ def _references(path: Path, clients: tuple[Client, ...]) -> dict[Client, tuple[i
     return {c: _REFERENCE[c.prompt, c.max_tokens] for c in clients}
 
 
-@attrs.define
-class Seen:
-    """What one client saw."""
-
-    client: Client
-    request_id: str = ""
-    outputs: list[RequestOutput] = attrs.field(factory=list)
-    aborted: bool = False  # the client aborted (either way) before the request ended
-
-
 async def _drive(engine: AsyncEngine, client: Client, seen: Seen) -> None:
     start = engine.num_steps
     with anyio.move_on_after(0.05 * client.arrive_after):
@@ -276,68 +251,6 @@ def _worker_graph(scenario: Scenario) -> Callable[[StepGraph], StepGraph] | None
         return graph
 
     return build
-
-
-def _holds_at_most(runner: Any, req_id: str) -> bool:
-    """Whether a worker's runner holds no request state but ``req_id``'s."""
-    if runner.num_requests != 1:
-        return bool(runner.num_requests == 0)
-    try:
-        runner.block_table(req_id)
-    except KeyError:
-        return False
-    return True
-
-
-async def _until_idle(engine: AsyncEngine) -> None:
-    """Wait (bounded) until no step is running and none is needed."""
-
-    def idle() -> bool:
-        guards = [w.connector.last_call for w in engine.core.workers]  # type: ignore[union-attr]
-        return not engine.core.has_work() and all(
-            g in (None, "register_kv_caches", CLEAR) for g in guards
-        )
-
-    with anyio.fail_after(15):
-        while not idle():
-            await anyio.sleep(0.005)
-        await anyio.sleep(0.01)
-        while not idle():
-            await anyio.sleep(0.005)
-
-
-def _check_request(seen: Seen, reference: tuple[int, ...] | None) -> None:
-    """Ended exactly once, with tokens or a typed error; tokens are the reference's."""
-    outs = seen.outputs
-    tokens: tuple[int, ...] = ()
-    for out in outs:
-        assert out.token_ids == tokens + out.new_token_ids, out
-        tokens = out.token_ids
-    finals = [o for o in outs if o.finished]
-    assert len(finals) <= 1, outs
-    if reference is not None:
-        assert tokens == reference[: len(tokens)], (tokens, reference)
-    if seen.client.abort == "client" and seen.aborted and not finals:
-        return  # the client left; the end check proves the request is gone
-    assert finals and finals[0] is outs[-1], outs
-    final = finals[0]
-    reason = final.finish_reason
-    if reason in ("length", "stop"):
-        assert final.token_ids and len(final.token_ids) <= seen.client.max_tokens
-        assert reason == "stop" or len(final.token_ids) == seen.client.max_tokens
-        if reference is not None:
-            assert final.token_ids == reference
-    elif reason == "abort":
-        assert seen.aborted, final
-    else:
-        assert reason == "error", final
-        if final.failure is not None:
-            assert isinstance(final.failure, StepFailure)
-            assert final.failure.ranks or final.failure.failed_stages, final.failure
-        else:  # not a failed step: a block that failed to load under the "fail" policy,
-            # or a scheduler-side connector call about this request that raised
-            assert final.error is not None, final
-            assert "failed to load" in final.error or final.error.startswith("connector "), final
 
 
 def _failing_steps(scenario: Scenario) -> set[int]:
@@ -423,16 +336,16 @@ async def _run(
             async with anyio.create_task_group() as tg:
                 for s in seen:
                     tg.start_soon(_drive, engine, s.client, s)
-            await _until_idle(engine)
+            await until_idle(engine)
             # The engine keeps serving; the step of this last request also hands the
             # workers the ids of every request that ended before it.
             await _drive(engine, LAST, last)
-            await _until_idle(engine)
+            await until_idle(engine)
         leak_check(engine.leak_report())
         assert not engine.core.scheduler.requests
         for worker in engine.core.workers:
             assert worker.connector is not None and worker.connector.connector_metadata is None
-            assert _holds_at_most(worker.runner, last.request_id), (
+            assert holds_at_most(worker.runner, last.request_id), (
                 "a rank kept the state of a request that ended"
             )
         core = engine.core
@@ -440,16 +353,11 @@ async def _run(
 
     problems = set(check_lifecycle(RecordingConnector.calls))
     assert problems <= _expected_problems(scenario.world_size), sorted(problems)
-    by_step: dict[tuple[int, int | None], list[str]] = {}
-    for call in RecordingConnector.worker_calls():
-        by_step.setdefault((call.rank, call.step_id), []).append(call.method)
-    for key, methods in by_step.items():
-        if key[1] is not None and methods != ["register_kv_caches"] and methods != ["aclose"]:
-            assert methods.count(CLEAR) == 1 and methods[-1] == CLEAR, (key, methods)
+    check_clears(RecordingConnector.worker_calls())
 
     garbage = any(f.call == "get_num_new_matched_tokens" for f in FaultyConnector.fired)
     for s in [*seen, last]:
-        _check_request(s, None if garbage else references[s.client])
+        check_request(s, None if garbage else references[s.client])
     _check_failed_steps(scenario, [*seen, last])
 
 
