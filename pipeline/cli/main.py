@@ -255,6 +255,10 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _missing_server_extra(exc)
     access = {"access_log": True} if getattr(args, "access_log", False) else {}
+    if isinstance(args.tokenizer, str) and args.tokenizer.startswith("builtin:"):
+        from stages.forward.builtin import tokenizer_dir  # builds it once, like serve
+
+        args.tokenizer = str(tokenizer_dir(args.tokenizer))
     with cli_logging(logging.INFO):  # the ready line and upstream failures on stderr
         serve_proxy(proxy_options(args), args.host, args.port, server_options(args), **access)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import httpx
@@ -13,7 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pipeline.errors import InvalidConfigError
 from pipeline.proxy.health import poll_forever
+from pipeline.proxy.kv_aware import KVAwareRouter
+from pipeline.proxy.kv_follow import EventSource, follow
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.options import ProxyOptions
 from pipeline.proxy.pool import BackendPool
@@ -22,6 +26,7 @@ from pipeline.proxy.upstream import Hop
 from pipeline.server.errors import error_response, exception_handlers
 from pipeline.server.middleware import GuardMiddleware
 from pipeline.server.options import ServerOptions
+from pipeline.tokenizer import load_tokenizer
 
 __all__ = ["ProxyState", "create_proxy_app"]
 
@@ -36,6 +41,7 @@ class ProxyState:
         pools: The ``backend`` pool (replicas), or the ``prefill`` and ``decode`` pools
             in that order.
         metrics: The proxy's Prometheus metrics.
+        routers: The kv-aware policy's router of each pool (none under the others).
         timeout_s: The longest a whole upstream answer may take to read.
         prefill: The hop to the producers (``None`` in front of replicas); set while
             the lifespan is open.
@@ -50,6 +56,7 @@ class ProxyState:
         names = ("prefill", "decode") if proxy.disaggregated else ("backend",)
         self.pools = tuple(BackendPool(n, getattr(proxy, n), proxy.policy) for n in names)
         self.metrics = ProxyMetrics()
+        self.routers = kv_aware_routers(proxy, self.pools, self.metrics)
         self.timeout_s = proxy.upstream_timeout_s
         self.prefill: Hop | None = None
         self.decode: Hop
@@ -73,10 +80,57 @@ class ProxyState:
                     proxy.health_interval_s,
                     proxy.health_timeout_s,
                 )
+                for router in self.routers:
+                    for i, backend in enumerate(router.pool.backends):
+                        given = EventSource(proxy.kv_events[i], None) if proxy.kv_events else None
+                        wait = proxy.health_timeout_s
+                        group.start_soon(follow, router.index, backend, client, given, wait)
                 try:
                     yield
                 finally:
                     group.cancel_scope.cancel()
+
+    async def prompt_hashes(self, path: str, body: dict[str, Any]) -> list[Any]:
+        """The block hashes the kv-aware policy routes ``body`` by (``[]`` for the
+        other policies)."""
+        return await self.routers[0].prompt_hashes(path, body) if self.routers else []
+
+
+def kv_aware_routers(
+    proxy: ProxyOptions, pools: tuple[BackendPool, ...], metrics: ProxyMetrics
+) -> tuple[KVAwareRouter, ...]:
+    """One :class:`KVAwareRouter` per pool under the ``kv-aware`` policy (each pool's
+    ``chooser``), sharing the model's tokenizer; none under the other policies.
+
+    Raises:
+        InvalidConfigError: ``proxy.tokenizer`` names no directory with a
+            ``tokenizer.json``.
+        ModelLoadError: The tokenizer files cannot be read.
+    """
+    if proxy.policy != "kv-aware":
+        return ()
+    tokenizer = None
+    if proxy.tokenizer is not None:
+        tokenizer = load_tokenizer(proxy.tokenizer)
+        if tokenizer is None:
+            raise InvalidConfigError(
+                "tokenizer", proxy.tokenizer, "a directory with tokenizer.json"
+            )
+    routers = []
+    for pool in pools:
+        router = KVAwareRouter(
+            pool,
+            tokenizer=tokenizer,
+            block_size=proxy.block_size,
+            hash_seed=proxy.hash_seed,
+            hash_format="bytes" if proxy.hash_format == "bytes" else "int",
+            load_weight=proxy.load_weight,
+            max_blocks=proxy.max_index_blocks,
+            metrics=metrics,
+        )
+        pool.chooser = router.choose
+        routers.append(router)
+    return tuple(routers)
 
 
 def create_proxy_app(proxy: ProxyOptions, options: ServerOptions | None = None) -> Starlette:

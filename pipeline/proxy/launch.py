@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
+from pipeline.errors import InvalidConfigError
 from pipeline.logs import get_logger
 from pipeline.proxy.app import create_proxy_app
 from pipeline.proxy.options import POLICIES, ProxyOptions
@@ -86,6 +88,25 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
         "--policy", choices=POLICIES, default="round-robin",
         help="how a pool picks a healthy backend (default: round-robin)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="DIR",
+        help="kv-aware: the model's directory (tokenizer.json) or builtin:NAME, to hash text "
+        "prompts and chats as the replicas do (default: token-id prompts only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-events", nargs="+", default=[], metavar="ENDPOINT",
+        help="kv-aware: each --backend's event endpoint (tcp://HOST:PORT), in order "
+        "(default: read from each backend's /health)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hash-format", choices=("int", "bytes"), default="int",
+        help="kv-aware: the replicas' kv_events hash format (default: int)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hash-seed", type=int, default=None,
+        help="kv-aware: the replicas' hash_seed (default: $KVSTEP_HASH_SEED, else 0; prefer "
+        "the variable, argv is visible to other users)",
+    )  # fmt: skip
     fields = _defaults()
     flags = (
         ("--health-interval", float, "health_interval_s", "seconds between health polls"),
@@ -93,6 +114,9 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
         ("--connect-timeout", float, "connect_timeout_s", "seconds to open a backend connection"),
         ("--upstream-timeout", float, "upstream_timeout_s", "seconds a backend may stay silent"),
         ("--max-response-bytes", int, "max_response_bytes", "largest producer answer read; 502"),
+        ("--block-size", int, "block_size", "kv-aware: the replicas' block_size"),
+        ("--load-weight", float, "load_weight", "kv-aware: blocks of work per open request"),
+        ("--max-index-blocks", int, "max_index_blocks", "kv-aware: block hashes kept"),
     )
     for flag, kind, field, text in flags:
         default = fields[field]
@@ -113,9 +137,33 @@ def proxy_options(args: argparse.Namespace) -> ProxyOptions:
         prefill=tuple(args.prefill),
         decode=tuple(args.decode),
         policy=args.policy,
+        tokenizer=args.tokenizer,
+        kv_events=tuple(args.kv_events),
+        hash_format=args.hash_format,
+        hash_seed=_hash_seed(args.hash_seed),
+        block_size=args.block_size,
+        load_weight=args.load_weight,
+        max_index_blocks=args.max_index_blocks,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         connect_timeout_s=args.connect_timeout,
         upstream_timeout_s=args.upstream_timeout,
         max_response_bytes=args.max_response_bytes,
     )
+
+
+def _hash_seed(given: int | None) -> int:
+    """``--hash-seed``, else ``$KVSTEP_HASH_SEED``, else 0.
+
+    Raises:
+        InvalidConfigError: The variable is not an int (its value is not shown).
+    """
+    if given is not None:
+        return given
+    text = os.environ.get("KVSTEP_HASH_SEED", "").strip()
+    if not text:
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidConfigError("KVSTEP_HASH_SEED", "<hidden>", "must be an int") from None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pipeline.proxy.pool import BackendPool
 
@@ -35,6 +35,26 @@ class ProxyMetrics:
             "kvstep_proxy_in_flight_requests",
             "Requests open on a backend through this proxy, by pool and backend",
             ["pool", "backend"],
+            registry=reg,
+        )
+
+        self.route_seconds = Histogram(
+            "kvstep_proxy_route_decision_seconds",
+            "Time the kv-aware policy took to pick a backend (index lookup and scoring)",
+            buckets=(1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+            registry=reg,
+        )
+        self.routed_blocks = Counter(
+            "kvstep_proxy_routed_prompt_blocks",
+            "Full prompt blocks of the requests the kv-aware policy sent to a backend",
+            ["backend"],
+            registry=reg,
+        )
+        self.routed_hit_blocks = Counter(
+            "kvstep_proxy_routed_hit_blocks",
+            "Of those, the blocks the backend held by its KV events (hit-rate estimate: "
+            "this over kvstep_proxy_routed_prompt_blocks)",
+            ["backend"],
             registry=reg,
         )
 

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from pipeline.checks import check_float, check_int
+from pipeline.checks import INT64_MAX, INT64_MIN, check_float, check_int
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["ProxyOptions"]
@@ -39,6 +39,23 @@ def _bytes(instance: Any, attribute: attrs.Attribute[Any], value: object) -> Non
     check_int(attribute.name, value, InvalidConfigError, lo=1024)
 
 
+def _positive(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    check_int(attribute.name, value, InvalidConfigError, lo=1, hi=1 << 31)
+
+
+def _int64(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    check_int(attribute.name, value, InvalidConfigError, lo=INT64_MIN, hi=INT64_MAX)
+
+
+def _weight(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    check_float(attribute.name, value, InvalidConfigError, lo=0.0, hi=1e9)
+
+
+def _hash_format(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("int", "bytes"):
+        raise InvalidConfigError(attribute.name, value, "int | bytes")
+
+
 def _url_tuple(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return tuple(u.rstrip("/") if isinstance(u, str) else u for u in value)
@@ -46,7 +63,7 @@ def _url_tuple(value: Any) -> Any:
 
 
 #: The routing policies, by their ``--policy`` name.
-POLICIES = ("round-robin", "least-loaded")
+POLICIES = ("round-robin", "least-loaded", "kv-aware")
 
 
 def _policy(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -67,7 +84,20 @@ class ProxyOptions:
         prefill: Base URLs of the producer (prefill) servers.
         decode: Base URLs of the consumer (decode) servers.
         policy: How a pool picks among its healthy backends: ``round-robin`` in turn,
-            ``least-loaded`` the one with the fewest requests open through this proxy.
+            ``least-loaded`` the one with the fewest requests open through this proxy,
+            ``kv-aware`` the one that holds the longest prefix of the prompt by its KV
+            events, less a load term (:mod:`pipeline.proxy.kv_aware`).
+        tokenizer: The model's directory (its ``tokenizer.json``) for the kv-aware
+            policy to hash text prompts and chat messages; ``None``: only token-id
+            prompts are hashed, the rest routed by load.
+        block_size: The replicas' ``block_size`` (kv-aware).
+        hash_seed: The replicas' ``hash_seed`` (kv-aware); never in a repr.
+        hash_format: The replicas' ``kv_events`` hash format, ``"int"`` or ``"bytes"``.
+        load_weight: Blocks of prefill work one request open on a replica counts as
+            (kv-aware).
+        max_index_blocks: The most block hashes the kv-aware index keeps.
+        kv_events: Event endpoints (``tcp://host:port``), one per ``backend`` in the
+            same order, or ``()`` to read them from each backend's ``/health``.
         health_interval_s: Seconds between two polls of every backend's ``/health``.
         health_timeout_s: The longest one ``/health`` poll may take (then it failed).
         connect_timeout_s: The longest a connection to a backend may take to open; a
@@ -82,6 +112,13 @@ class ProxyOptions:
     prefill: tuple[str, ...] = attrs.field(default=(), converter=_url_tuple, validator=_urls)
     decode: tuple[str, ...] = attrs.field(default=(), converter=_url_tuple, validator=_urls)
     policy: str = attrs.field(default="round-robin", validator=_policy)
+    tokenizer: str | None = attrs.field(default=None)
+    block_size: int = attrs.field(default=16, validator=_positive)
+    hash_seed: int = attrs.field(default=0, validator=_int64, repr=False)
+    hash_format: str = attrs.field(default="int", validator=_hash_format)
+    load_weight: float = attrs.field(default=8.0, validator=_weight)
+    max_index_blocks: int = attrs.field(default=1 << 20, validator=_positive)
+    kv_events: tuple[str, ...] = attrs.field(default=(), converter=_url_tuple)
     health_interval_s: float = attrs.field(default=5.0, validator=_seconds)
     health_timeout_s: float = attrs.field(default=2.0, validator=_seconds)
     connect_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
@@ -89,6 +126,16 @@ class ProxyOptions:
     max_response_bytes: int = attrs.field(default=16 * _MIB, validator=_bytes)
 
     def __attrs_post_init__(self) -> None:
+        if self.kv_events and len(self.kv_events) != len(self.backend):
+            raise InvalidConfigError(
+                "kv_events",
+                self.kv_events,
+                f"must give one endpoint per backend ({len(self.backend)})",
+            )
+        if any(not e.startswith("tcp://") for e in self.kv_events):
+            raise InvalidConfigError(
+                "kv_events", self.kv_events, "must be tcp://HOST:PORT endpoints"
+            )
         if self.backend:
             for name in ("prefill", "decode"):
                 if getattr(self, name):

@@ -14,6 +14,7 @@ A 4xx of either backend reaches the client as it is; a 5xx becomes a 502.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -51,25 +52,32 @@ async def _route(request: Request, path: str) -> Response:
         raise InvalidRequestError("body", short_value(body), "must be a JSON object")
     rid = request_id(request)
     headers = _upstream_headers(request, rid)
+    hashes = await state.prompt_hashes(path, body)
     if state.prefill is None:  # replicas: one hop
-        return await _forward(state.decode, path, body, headers, rid, state.timeout_s)
+        return await _forward(state.decode, path, body, headers, rid, state.timeout_s, hashes)
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > 1:
         raise InvalidRequestError("n", n, "must be 1 behind kvstep proxy (one decode per prefill)")
-    prefilled = await _prefill(state.prefill, path, body, headers, rid, state.timeout_s)
+    prefilled = await _prefill(state.prefill, path, body, headers, rid, state.timeout_s, hashes)
     if isinstance(prefilled, Response):
         return prefilled
     decode_body = dict(body)
     if prefilled:
         decode_body["kv_transfer_params"] = prefilled
-    return await _forward(state.decode, path, decode_body, headers, rid, state.timeout_s)
+    return await _forward(state.decode, path, decode_body, headers, rid, state.timeout_s, hashes)
 
 
 async def _forward(
-    hop: Hop, path: str, body: dict[str, Any], headers: dict[str, str], rid: str, timeout: float
+    hop: Hop,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    rid: str,
+    timeout: float,
+    hashes: Sequence[Any],
 ) -> Response:
     """``body`` sent through ``hop``; its answer relayed (a stream) or read."""
-    sent = await hop.send(path, body, headers, rid)
+    sent = await hop.send(path, body, headers, rid, hashes)
     status = sent.response.status_code
     media_type = sent.response.headers.get("content-type", "")
     if status < 400 and media_type.startswith("text/event-stream"):
@@ -79,7 +87,13 @@ async def _forward(
 
 
 async def _prefill(
-    hop: Hop, path: str, body: dict[str, Any], headers: dict[str, str], rid: str, timeout: float
+    hop: Hop,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    rid: str,
+    timeout: float,
+    hashes: Sequence[Any],
 ) -> dict[str, Any] | Response | None:
     """The producer's ``kv_transfer_params`` (``None`` when it gave none), or its 4xx."""
     prefill_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
@@ -88,7 +102,7 @@ async def _prefill(
     # so the latter alone is set when the client used it (vLLM's proxy sets both).
     limits = [k for k in ("max_tokens", "max_completion_tokens") if k in body] or ["max_tokens"]
     prefill_body.update(dict.fromkeys(limits, 1))
-    sent = await hop.send(path, prefill_body, headers, rid)
+    sent = await hop.send(path, prefill_body, headers, rid, hashes)
     content = await hop.read(sent, rid, timeout)
     if sent.response.status_code >= 300:
         return _answer(hop, sent, content, rid)

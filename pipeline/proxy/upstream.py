@@ -7,7 +7,7 @@ wrong) and is counted in the proxy's metrics; the detail goes to the log.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -74,11 +74,17 @@ class Hop:
     max_response_bytes: int
 
     async def send(
-        self, path: str, body: dict[str, Any], headers: Mapping[str, str], rid: str
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        rid: str,
+        hashes: Sequence[Any] = (),
     ) -> Sent:
-        """POST ``body`` to ``path`` of the next healthy backend and return once its
-        headers arrived. A backend whose connection fails is taken out of rotation and
-        the request is sent once more to another one. Cancellation-safe.
+        """POST ``body`` to ``path`` of the healthy backend the pool picks (for a prompt
+        of block ``hashes``) and return once its headers arrived. A backend whose
+        connection fails is taken out of rotation and the request is sent once more to
+        another one. Cancellation-safe.
 
         Raises:
             HTTPProblem: 503 when no healthy backend is left; 502 when the backend
@@ -87,7 +93,7 @@ class Hop:
         """
         tried: tuple[Backend, ...] = ()
         for _ in range(2):
-            backend = self.pool.pick(exclude=tried)
+            backend = self.pool.pick(exclude=tried, hashes=hashes)
             if backend is None:
                 break
             request = self.client.build_request(

@@ -1,0 +1,246 @@
+"""Tests of ``kvstep proxy --policy kv-aware``: routing by the replicas' KV events.
+
+The replicas are fake Starlette apps whose ``/health`` advertises a real
+:class:`ZmqEventPublisher` on loopback; the test publishes on it what a replica's block
+pool would (the prompt's block hashes), and the proxy follows the events as it follows
+real replicas'.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("zmq")
+
+import httpx
+from proxy_fakes import Fake, Servers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pipeline.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventsConfig,
+    ZmqEventPublisher,
+    prompt_block_hashes,
+)
+from pipeline.proxy import BackendPool, ProxyMetrics, ProxyOptions, create_proxy_app
+from pipeline.proxy.kv_aware import KVAwareRouter
+from pipeline.tokenizer import load_tokenizer
+from stages.forward.builtin import tokenizer_dir
+
+BS = 4
+SEED = 7
+PROMPT = list(range(100, 117))  # 4 full blocks and a partial one
+
+
+def stored(tokens: list[int]) -> BlockStored:
+    hashes = prompt_block_hashes(tokens, BS, hash_seed=SEED)
+    usable = tokens[: len(hashes) * BS]
+    return BlockStored(hashes, None, usable, BS, None, "CPU")
+
+
+class Replica(Fake):
+    """A fake replica whose ``/health`` advertises its KV event publisher."""
+
+    def __init__(self, name: str) -> None:
+        config = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+        self.publisher = ZmqEventPublisher(config)
+        super().__init__(name)
+
+    async def _health(self, request: Request) -> Response:
+        if not self.healthy:
+            return JSONResponse({"ok": False}, status_code=503)
+        entry = self.publisher.describe()
+        entry["endpoint"] = str(entry["endpoint"]).replace("127.0.0.1", "0.0.0.0")  # a bind
+        return JSONResponse({"status": "ok", "kv_events": entry})
+
+
+class Cluster:
+    def __init__(self, serve: Servers, count: int = 3, **options: Any) -> None:
+        self.replicas = [Replica(f"r{i}") for i in range(count)]
+        self.urls = [serve(r.app).url for r in self.replicas]
+        proxy = ProxyOptions(
+            backend=tuple(self.urls),
+            policy="kv-aware",
+            block_size=BS,
+            hash_seed=SEED,
+            health_interval_s=0.1,
+            health_timeout_s=1.0,
+            **options,
+        )
+        self.app = create_proxy_app(proxy)
+        self.proxy = serve(self.app)
+        self.client = httpx.Client(base_url=self.proxy.url, timeout=10)
+        serve.clients.append(self.client)
+
+    @property
+    def router(self) -> KVAwareRouter:
+        routers: tuple[KVAwareRouter, ...] = self.app.state.kvstep.routers
+        return routers[0]
+
+    def held(self, replica: int) -> int:
+        return self.router.index.num_blocks(self.urls[replica])
+
+    def post(self, prompt: list[int]) -> str:
+        response = self.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 200, response.text
+        return str(response.json()["id"])
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.publisher.close()
+
+
+@pytest.fixture
+def cluster(serve: Servers) -> Iterator[Cluster]:
+    made = Cluster(serve)
+    yield made
+    made.close()
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+class TestRouting:
+    def test_a_prompt_goes_where_its_prefix_is(self, cluster: Cluster) -> None:
+        """Replica 1 published the prompt's blocks: every request of it goes there; a
+        longer cached prefix beats a shorter one; another prompt is spread in turn."""
+        cluster.replicas[1].publisher.publish([stored(PROMPT)])
+        _wait(lambda: cluster.held(1) == 4)
+        assert {cluster.post(PROMPT) for _ in range(4)} == {"r1"}
+        cluster.replicas[2].publisher.publish([stored([9, 9, 9, 9, 8, 8, 8, 8])])
+        cluster.replicas[0].publisher.publish([stored(PROMPT[:8])])
+        _wait(lambda: cluster.held(0) == 2 and cluster.held(2) == 2)
+        assert cluster.post(PROMPT) == "r1"  # 4 blocks held against 2
+        assert cluster.post([9, 9, 9, 9, 8, 8, 8, 8, 1]) == "r2"
+        assert {cluster.post([5] * 12) for _ in range(3)} == {"r0", "r1", "r2"}
+        metrics = cluster.client.get("/metrics").text
+        assert (
+            f'kvstep_proxy_routed_hit_blocks_total{{backend="{cluster.urls[1]}"}} 20.0' in metrics
+        )
+        assert "kvstep_proxy_route_decision_seconds_count 9.0" in metrics
+
+    def test_removed_and_cleared_blocks_stop_attracting(self, cluster: Cluster) -> None:
+        """Without its first block a replica holds no prefix of the prompt, whatever it
+        holds of the rest: the prompt is spread again. AllBlocksCleared empties it."""
+        publisher = cluster.replicas[1].publisher
+        publisher.publish([stored(PROMPT)])
+        _wait(lambda: cluster.held(1) == 4)
+        hashes = prompt_block_hashes(PROMPT, BS, hash_seed=SEED)
+        publisher.publish([BlockRemoved(hashes[:1], "CPU")])  # the first block: no prefix
+        _wait(lambda: cluster.held(1) == 3)
+        assert {cluster.post(PROMPT) for _ in range(3)} == {"r0", "r1", "r2"}
+        publisher.publish([stored(PROMPT), AllBlocksCleared()])
+        _wait(lambda: cluster.held(1) == 0)  # stored again, then all cleared
+
+    def test_a_late_router_replays_and_a_dead_replica_is_forgotten(self, serve: Servers) -> None:
+        """Blocks published before the proxy subscribed arrive by replay; a replica that
+        fails its health check leaves the index, and comes back with its events."""
+        cluster = Cluster(serve, count=2)
+        try:
+            cluster.replicas[0].publisher.publish([stored(PROMPT)])  # maybe before joining
+            _wait(lambda: cluster.held(0) == 4)
+            assert cluster.post(PROMPT) == "r0"
+            cluster.replicas[0].healthy = False
+            _wait(lambda: cluster.held(0) == 0)
+            assert {cluster.post(PROMPT) for _ in range(2)} == {"r1"}
+            cluster.replicas[0].healthy = True
+            _wait(lambda: cluster.held(0) == 4)  # replayed from its buffer again
+        finally:
+            cluster.close()
+
+
+class TestRouter:
+    def router(self, tokenizer: Any = None, load_weight: float = 8.0) -> KVAwareRouter:
+        pool = BackendPool("backend", ("http://a", "http://b"), "kv-aware")
+        return KVAwareRouter(
+            pool,
+            tokenizer=tokenizer,
+            block_size=BS,
+            hash_seed=SEED,
+            hash_format="int",
+            load_weight=load_weight,
+            max_blocks=1000,
+            metrics=ProxyMetrics(),
+        )
+
+    def test_load_outweighs_a_short_prefix_only(self) -> None:
+        """Cost = blocks to compute + load_weight per open request: a hit of 4 blocks on
+        a replica with one open request (weight 2) beats none on an idle one; with
+        weight 8 the idle one wins."""
+        hashes = prompt_block_hashes(PROMPT, BS, hash_seed=SEED)
+        for weight, expected in ((2.0, "http://a"), (8.0, "http://b")):
+            router = self.router(load_weight=weight)
+            a, b = router.pool.backends
+            router.index.stored("http://a", hashes)
+            a.in_flight = 1
+            assert router.choose([a, b], hashes).url == expected
+
+    @pytest.mark.anyio
+    async def test_text_and_chat_hash_as_the_replica_encodes(self) -> None:
+        """A text prompt is encoded, and chat messages rendered with the chat template
+        and encoded, with the model's own tokenizer; a batch routes by its first prompt;
+        what cannot be hashed gives no hashes."""
+        tokenizer = load_tokenizer(tokenizer_dir("builtin:tiny"))
+        assert tokenizer is not None
+        router = self.router(tokenizer)
+
+        def expect(text: str) -> list[Any]:
+            return prompt_block_hashes(tokenizer.encode(text), BS, hash_seed=SEED)
+
+        text = "the quick brown fox jumps over the lazy dog " * 3
+        got = await router.prompt_hashes("/v1/completions", {"prompt": text})
+        assert got == expect(text) and len(got) >= 4
+        assert await router.prompt_hashes("/v1/completions", {"prompt": [text, "x"]}) == got
+        ids = await router.prompt_hashes("/v1/completions", {"prompt": [PROMPT, [1]]})
+        assert ids == prompt_block_hashes(PROMPT, BS, hash_seed=SEED)
+        messages = [{"role": "user", "content": text}]
+        from pipeline.server.chat_template import render_chat
+
+        chat = await router.prompt_hashes("/v1/chat/completions", {"messages": messages})
+        assert chat == expect(render_chat(tokenizer, messages))
+        for bad in ({"prompt": 3}, {"prompt": [True, 1]}, {"messages": "hi"}, {}):
+            path = "/v1/chat/completions" if "messages" in bad else "/v1/completions"
+            assert await router.prompt_hashes(path, bad) == []
+        assert await self.router().prompt_hashes("/v1/completions", {"prompt": text}) == []
+
+    def test_the_seed_stays_out_of_reprs(self) -> None:
+        options = ProxyOptions(backend=("http://a",), policy="kv-aware", hash_seed=123456789)
+        assert "123456789" not in repr(options) and "123456789" not in repr(self.router())
+
+
+class TestFlags:
+    def test_kv_aware_flags(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The seed comes from --hash-seed, else $KVSTEP_HASH_SEED; one event endpoint
+        per backend; a bad variable's value is not shown."""
+        import argparse
+
+        from pipeline.errors import InvalidConfigError
+        from pipeline.proxy import add_proxy_flags, proxy_options
+
+        parser = argparse.ArgumentParser()
+        add_proxy_flags(parser)
+        flags = ["--backend", "http://a:1", "http://b:2", "--policy", "kv-aware"]
+        monkeypatch.setenv("KVSTEP_HASH_SEED", "42")
+        options = proxy_options(parser.parse_args([*flags, "--block-size", "32"]))
+        assert (options.hash_seed, options.block_size, options.kv_events) == (42, 32, ())
+        given = ["--hash-seed", "5", "--kv-events", "tcp://a:9", "tcp://b:9"]
+        options = proxy_options(parser.parse_args([*flags, *given]))
+        assert options.hash_seed == 5 and options.kv_events == ("tcp://a:9", "tcp://b:9")
+        with pytest.raises(InvalidConfigError, match="one endpoint per backend"):
+            proxy_options(parser.parse_args([*flags, "--kv-events", "tcp://a:9"]))
+        monkeypatch.setenv("KVSTEP_HASH_SEED", "secret-value")
+        with pytest.raises(InvalidConfigError) as info:
+            proxy_options(parser.parse_args(flags))
+        assert "secret-value" not in str(info.value)
