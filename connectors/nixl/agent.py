@@ -121,14 +121,14 @@ class KVAgent:
         if info.engine_id in self._peers:
             return
         mine = self.info
-        checks = [
-            ("fingerprint", mine.fingerprint, info.fingerprint),
+        checks = [  # the fingerprint (dtype, block and TP size in it) last: it says least
             ("block_size", mine.block_size, info.block_size),
             ("dtype", mine.dtype, info.dtype),
             ("tp_size", mine.tp_size, info.tp_size),
             ("tp_rank", mine.tp_rank, info.tp_rank),
             ("num_layers", len(mine.layer_addrs), len(info.layer_addrs)),
             ("block_bytes", mine.block_bytes, info.block_bytes),
+            ("fingerprint", mine.fingerprint, info.fingerprint),
         ]
         for field, local, remote in checks:
             if local != remote:
@@ -152,16 +152,16 @@ class KVAgent:
 
     # ---------------------------------------------------------------- transfers
 
-    def _descs(self, info: PeerInfo, blocks: Sequence[int]) -> Any:
-        """Nx3 ``(addr, len, dev)`` descriptors: every layer, K then V, every block."""
-        ids = np.asarray(blocks, dtype=np.uint64)
+    def _descs(self, info: PeerInfo, starts: np.ndarray, counts: np.ndarray) -> Any:
+        """Nx3 ``(addr, len, dev)`` descriptors: every layer, K then V, every run of
+        ``counts[i]`` consecutive blocks from ``starts[i]`` (one descriptor per run)."""
         kv = np.array([0, 1], dtype=np.uint64)
         bases = np.asarray(info.layer_addrs, dtype=np.uint64)
-        per_layer = (kv[:, None] * np.uint64(info.num_blocks) + ids[None, :]).reshape(-1)
-        addrs = (bases[:, None] + per_layer[None, :] * np.uint64(info.block_bytes)).reshape(-1)
+        first = (kv[:, None] * np.uint64(info.num_blocks) + starts[None, :]).reshape(-1)
+        addrs = (bases[:, None] + first[None, :] * np.uint64(info.block_bytes)).reshape(-1)
         rows = np.empty((addrs.size, 3), dtype=np.uint64)
         rows[:, 0] = addrs
-        rows[:, 1] = info.block_bytes
+        rows[:, 1] = np.tile(counts * np.uint64(info.block_bytes), 2 * bases.size)
         rows[:, 2] = info.device_id
         return self._agent.get_xfer_descs(rows.astype(np.int64), info.mem_type)
 
@@ -189,9 +189,10 @@ class KVAgent:
         for blocks, info in ((remote_blocks, peer.info), (local_blocks, self.info)):
             if any(not 0 <= b < info.num_blocks for b in blocks):
                 raise TransferError(engine_id, f"block id out of [0, {info.num_blocks})")
+        remote_starts, local_starts, counts = _runs(remote_blocks, local_blocks)
         try:
-            local = self._descs(self.info, local_blocks)
-            remote = self._descs(peer.info, remote_blocks)
+            local = self._descs(self.info, local_starts, counts)
+            remote = self._descs(peer.info, remote_starts, counts)
             xfer = self._agent.initialize_xfer("READ", local, remote, peer.agent_name, notif)
             state = self._agent.transfer(xfer)
         except Exception as exc:
@@ -273,6 +274,19 @@ class KVAgent:
             self._agent.deregister_memory(self._reg)
         finally:
             del self._agent
+
+
+def _runs(remote: Sequence[int], local: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(remote starts, local starts, lengths)`` of the longest runs of blocks that are
+    consecutive on both sides: a freshly filled cache hands over long runs, and one
+    descriptor per run (not per block) is what lets a READ reach copy speed."""
+    r = np.asarray(remote, dtype=np.uint64)
+    l_ = np.asarray(local, dtype=np.uint64)
+    steps = (np.diff(r.astype(np.int64)) != 1) | (np.diff(l_.astype(np.int64)) != 1)
+    breaks = np.flatnonzero(steps) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [r.size]))
+    return r[starts], l_[starts], (ends - starts).astype(np.uint64)
 
 
 def _check_layout(kv_caches: Sequence[torch.Tensor]) -> None:

@@ -3,13 +3,17 @@
 One request, one reply, msgpack-encoded with typed decoding (never pickle). Every frame
 from a peer is hostile: the sockets cap message sizes (``zmq.MAXMSGSIZE``), a request
 must be exactly :data:`REQUEST`, and a reply must decode as :class:`HandshakeReply`
-with every field in range, within a timeout, or :class:`HandshakeError` is raised.
+with every field in range, within a timeout, or :class:`HandshakeError` is raised. A
+closed port fails at once (a plain TCP connect first: ZeroMQ would retry a refused
+connection quietly until the timeout), and a fetch can be stopped from another thread.
 ``pyzmq`` is imported when a socket is made, so importing this module needs no zmq.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Annotated
 
 import msgspec
@@ -36,6 +40,8 @@ REQUEST = b"kvstep-nixl/1 peer-info"
 MAX_REPLY_BYTES = 16 << 20
 """Largest reply a client accepts (agent metadata is a few KiB)."""
 _MAX_REQUEST_BYTES = 256
+_POLL_MS = 50  # how often a waiting fetch looks at its stop event
+_PROBE_S = 0.5  # bound on the TCP connect that detects a closed port
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 _Positive = Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
@@ -150,32 +156,44 @@ class HandshakeServer:
             self._thread.join(timeout=1.0)
 
 
-def fetch_peer_info(host: str, port: int, timeout_s: float) -> PeerInfo:
+def fetch_peer_info(
+    host: str, port: int, timeout_s: float, stop: threading.Event | None = None
+) -> PeerInfo:
     """Ask the server at ``host:port`` for its :class:`PeerInfo`; blocks up to ``timeout_s``.
 
+    A closed port fails at once (a TCP connect is tried first: ZeroMQ itself would retry
+    a refused connection silently until the timeout). Setting ``stop`` (from another
+    thread) ends the wait within about 50 ms.
+
     Raises:
-        HandshakeError: No reply within ``timeout_s`` (a dead or absent peer), an
-            oversized or undecodable reply, or a reply carrying an error.
+        HandshakeError: The connection was refused, no reply within ``timeout_s`` (a
+            dead or silent peer), ``stop`` was set, an oversized or undecodable reply,
+            or a reply carrying an error.
     """
     import zmq
 
     address = f"{host}:{port}"
-    ms = max(1, int(timeout_s * 1000))
-    socket = _context().socket(zmq.REQ)
+    deadline = time.monotonic() + timeout_s
+    _probe(host, port, address, timeout_s)
+    sock = _context().socket(zmq.REQ)
     try:
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-        socket.setsockopt(zmq.SNDTIMEO, ms)
-        socket.setsockopt(zmq.RCVTIMEO, ms)
-        socket.connect(f"tcp://{address}")
-        socket.send(REQUEST)
-        frames = socket.recv_multipart()
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        sock.connect(f"tcp://{address}")
+        sock.send(REQUEST)
+        while not sock.poll(_POLL_MS):
+            if stop is not None and stop.is_set():
+                raise HandshakeError(address, "stopped")
+            if time.monotonic() > deadline:
+                raise HandshakeError(address, f"no reply within {timeout_s:g}s")
+        frames = sock.recv_multipart()
     except zmq.Again:
         raise HandshakeError(address, f"no reply within {timeout_s:g}s") from None
     except zmq.ZMQError as exc:
         raise HandshakeError(address, str(exc)) from exc
     finally:
-        socket.close(0)
+        sock.close(0)
     if len(frames) != 1:
         raise HandshakeError(address, f"expected 1 frame, got {len(frames)}")
     try:
@@ -185,3 +203,15 @@ def fetch_peer_info(host: str, port: int, timeout_s: float) -> PeerInfo:
     if reply.info is None:
         raise HandshakeError(address, f"peer refused: {reply.error or 'no info'}")
     return reply.info
+
+
+def _probe(host: str, port: int, address: str, timeout_s: float) -> None:
+    """Fail fast on a refused (or unresolvable) address; a connect that times out
+    decides nothing (the ZeroMQ wait that follows is bounded anyway)."""
+    try:
+        with socket.create_connection((host, port), timeout=min(timeout_s, _PROBE_S)):
+            pass
+    except TimeoutError:
+        return
+    except OSError as exc:
+        raise HandshakeError(address, f"cannot connect: {exc}") from None

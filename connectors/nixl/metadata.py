@@ -26,6 +26,10 @@ class RemoteRead(NamedTuple):
             frees its blocks.
         remote_block_ids: Blocks to read, in order.
         local_block_ids: Where they land, in the same order.
+        refused: Why the scheduler refused the read (the request's params name a
+            producer of another model, block size or TP size), or ``""``: a refused
+            read never contacts the producer, and its local blocks are reported as
+            load errors, so the request recomputes or fails per ``load_failure_policy``.
     """
 
     req_id: str
@@ -35,6 +39,7 @@ class RemoteRead(NamedTuple):
     remote_request_id: str
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
+    refused: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -10,8 +10,10 @@ Consumer: a request whose params say ``do_remote_prefill`` is matched for its wh
 prompt blocks but the one holding the last prompt token (``load_async``); once its
 blocks are allocated, the next step's :class:`NixlMetadata` tells each worker to read
 them, and the request waits in ``WAITING_FOR_REMOTE_KVS`` until every rank reports
-the read in ``recving``. A request of another model, block size or TP size fails alone
-(:class:`PeerMismatchError`), never loads wrong KV.
+the read in ``recving``. A request whose params name a producer of another model, block
+size or TP size never loads its KV: the read is refused (``RemoteRead.refused``), its
+blocks are reported as load errors, and the request recomputes or fails alone per
+``load_failure_policy``, as when a worker's handshake finds the mismatch.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class _Match:
     remote: RemotePrefill
     start: int  # first block to load (the local prefix hit ends there)
     count: int  # blocks to load
+    refused: str = ""  # why the read is refused (a mismatch), or ""
 
 
 class NixlScheduler(KVConnectorScheduler):
@@ -95,7 +98,6 @@ class NixlScheduler(KVConnectorScheduler):
 
         Raises:
             InvalidRequestError: Malformed ``do_remote_prefill`` params (fails alone).
-            PeerMismatchError: The producer's model, block size or TP size differ.
         """
         req_id = request.request_id
         self._matches.pop(req_id, None)
@@ -104,19 +106,28 @@ class NixlScheduler(KVConnectorScheduler):
         remote = RemotePrefill.parse(request.kv_transfer_params)
         if remote is None:
             return MatchResult(0, False)
-        for field, mine, theirs in (
-            ("fingerprint", self.fingerprint, remote.fingerprint),
-            ("block_size", self.block_size, remote.block_size),
-            ("tp_size", self.tp_size, remote.tp_size),
-        ):
-            if mine != theirs:
-                raise PeerMismatchError(remote.engine_id, field, mine, theirs)
+        refused = self._mismatch(remote)
         bs = self.block_size
         start = num_computed_tokens // bs
         end = min((request.num_prompt_tokens - 1) // bs, len(remote.block_ids))
         count = max(0, end - start)  # 0: nothing to read, still notify the producer
-        self._matches[req_id] = _Match(remote, start, count)
+        if refused:
+            log.warning("nixl remote prefill refused", req_id=req_id, error=refused)
+            if not count:  # nothing would be loaded: compute the prompt here
+                return MatchResult(0, False)
+        self._matches[req_id] = _Match(remote, start, count, refused)
         return MatchResult(count * bs, count > 0)
+
+    def _mismatch(self, remote: RemotePrefill) -> str:
+        """Why KV of ``remote``'s producer must not be loaded here, or ``""``."""
+        for field, mine, theirs in (  # the fingerprint holds both: the others say more
+            ("block_size", self.block_size, remote.block_size),
+            ("tp_size", self.tp_size, remote.tp_size),
+            ("fingerprint", self.fingerprint, remote.fingerprint),
+        ):
+            if mine != theirs:
+                return str(PeerMismatchError(remote.engine_id, field, mine, theirs))
+        return ""
 
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
@@ -139,6 +150,7 @@ class NixlScheduler(KVConnectorScheduler):
                 remote.request_id,
                 remote.block_ids[blocks],
                 tuple(block_ids[blocks]),
+                match.refused,
             )
         )
         if count:

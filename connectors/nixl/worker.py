@@ -4,18 +4,30 @@ Per step, what :class:`NixlMetadata` says::
 
     register_kv_caches  register the cache with a NIXL agent; a producer serves its
                         PeerInfo on host:(port + rank)
-    start_load_kv       per read: handshake with the producer once (in a thread,
-                        bounded), then start the READ; a failure marks the read's
+    bind_connector_     hold the sends, queue the reads, note the cancels (so a step
+      metadata          that fails before start_load_kv loses none of them)
+    start_load_kv       per queued read of an admitted producer rank: hand the READ
+                        to the agent thread (connectors.nixl.posting: on host
+                        memory the copy happens as it is posted); of a new one:
+                        queue it and start the handshake (once per
+                        peer, on a thread, bounded by handshake_timeout_s) without
+                        waiting (connectors.nixl.peers); a failure marks the read's
                         blocks as load errors, never wrong data
-    get_finished        reads done or failed (``recving``); held sends named by a
+    get_finished        handshakes that ended: begin or fail their reads; reads
+                        done or failed (``recving``); held sends named by a
                         consumer's notification or past their lease (``sending``);
                         cancelled reads once over (``sending``); a step with nothing
                         scheduled that finished nothing polls again after 5 ms, so
                         the engine's back-to-back pending steps do not spin a core
-    aclose              stop serving, forget peers, deregister the cache
+    get_kv_stats        tokens (counted on rank 0) and bytes of the reads that
+                        get_finished reported done; no saves
+    aclose              stop the handshakes (threads joined), stop serving, forget
+                        peers, deregister the cache
 
-Every call runs on the rank's event loop; nothing runs on the forward thread (reads
-complete across steps, so the layer hooks have nothing to wait for).
+Every call runs on the rank's event loop, which never waits for NIXL: reads are posted
+on the agent thread, and the loop touches the agent only while that thread is idle.
+Nothing runs on the forward thread (reads complete across steps, so the layer hooks
+have nothing to wait for).
 """
 
 from __future__ import annotations
@@ -28,19 +40,27 @@ import anyio.to_thread
 import attrs
 import torch
 
-from connectors.base import ConnectorContext, ForwardContext, KVConnectorWorker, WorkerFinished
-from connectors.nixl.agent import NOTIF_PREFIX, KVAgent, ReadHandle
+from connectors.base import (
+    ConnectorContext,
+    ForwardContext,
+    KVConnectorMetadata,
+    KVConnectorWorker,
+    WorkerFinished,
+)
+from connectors.nixl.agent import KVAgent, ReadHandle
 from connectors.nixl.errors import NixlError
-from connectors.nixl.handshake import HandshakeServer, fetch_peer_info
+from connectors.nixl.handshake import HandshakeServer
 from connectors.nixl.metadata import NixlMetadata, RemoteRead
 from connectors.nixl.options import NixlOptions
+from connectors.nixl.peers import PeerHandshakes, Resolved
+from connectors.nixl.posting import ReadPoster
 from connectors.nixl.scheduler import model_key
+from connectors.nixl.sends import HeldSends
 from pipeline.logs import get_logger
 
 __all__ = ["NixlWorker"]
 
 log = get_logger()
-_MAX_EARLY = 4096  # notifications kept for sends this rank has not been told of yet
 _IDLE_POLL_S = 0.005  # how long a step with nothing scheduled waits for a transfer
 
 
@@ -64,14 +84,18 @@ class NixlWorker(KVConnectorWorker):
         self.agent: KVAgent | None = None
         self.server: HandshakeServer | None = None
         self._reads: dict[str, _Read] = {}
-        self._held: dict[str, float] = {}  # producer: req id -> lease deadline
-        self._early: dict[str, float] = {}  # notifications before their send: -> time
+        self._queued: dict[str, RemoteRead] = {}  # bound, not started yet
+        self.sends = HeldSends(self.options.lease_s)  # producer: held for consumers
+        self.poster = ReadPoster()  # reads of admitted peers, posted off the loop
+        self.peers = PeerHandshakes(self.options.handshake_timeout_s)
         self._cancelled: set[str] = set()  # reads to report in sending once over
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._idle_step = False
         self._closed = False
+        self._loaded = (0, 0)  # reads done since the last get_finished: tokens, bytes
+        self._stats = (0, 0, 0, 0)  # what get_kv_stats reports for this step
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         """Register the cache with a NIXL agent; a producer starts its side channel.
@@ -93,59 +117,98 @@ class NixlWorker(KVConnectorWorker):
             port = self.options.port + ctx.rank
             self.server = HandshakeServer(self.agent.info, self.options.host, port)
 
-    async def start_load_kv(self, ctx: ForwardContext) -> None:
-        """Start this step's reads; hold its sends; note its cancels. Cancellation-safe:
-        a read is recorded as soon as it is started."""
-        meta = self.connector_metadata
-        if not isinstance(meta, NixlMetadata):
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        """Bind; hold the step's sends, queue its reads, note its cancels, all at once:
+        a step that fails before :meth:`start_load_kv` (or inside it) loses none of them.
+        Synchronous, never blocks."""
+        super().bind_connector_metadata(metadata)
+        if not isinstance(metadata, NixlMetadata):
             return
-        self._idle_step = not ctx.scheduler_output.requests and not meta.reads
         now = time.monotonic()
-        for req_id in meta.sends:
-            self._held[req_id] = now + self.options.lease_s
-        for req_id in meta.cancels:
-            if req_id in self._reads:
+        for req_id in metadata.sends:
+            self.sends.hold(req_id, now)
+        for spec in metadata.reads:
+            self._queued[spec.req_id] = spec
+        for req_id in metadata.cancels:
+            if req_id in self._reads or self.poster.posting(req_id):
                 self._cancelled.add(req_id)
-            else:
+            else:  # over, or never started (queued, waiting for a handshake or a post)
+                self._queued.pop(req_id, None)
+                self.poster.withdraw(req_id)
+                self.peers.drop(req_id)
                 self._done_sending.add(req_id)
-        for spec in meta.reads:
-            await self._start(spec)
 
-    async def _start(self, spec: RemoteRead) -> None:
+    async def start_load_kv(self, ctx: ForwardContext) -> None:
+        """Start the queued reads: this step's, and those of a step that failed first.
+        Cancellation-safe: a read leaves the queue only once started (or failed)."""
+        if not isinstance(self.connector_metadata, NixlMetadata):
+            return
+        self._idle_step = not ctx.scheduler_output.requests and not self._queued
+        while self._queued:
+            spec = next(iter(self._queued.values()))
+            self._start(spec)
+            self._queued.pop(spec.req_id, None)
+        self._pump()
+
+    def _start(self, spec: RemoteRead) -> None:
         agent = self.agent
         if agent is None:
             raise RuntimeError("nixl worker: start_load_kv before register_kv_caches")
-        rank, opts = self.context.rank, self.options
+        if spec.refused:  # a mismatched producer: never contacted, never read
+            log.warning("nixl read refused", req_id=spec.req_id, error=spec.refused)
+            self._load_errors.update(spec.local_block_ids)
+            self._finish_read(spec.req_id)
+        elif agent.has_peer(spec.engine_id):
+            self._begin(spec)
+        else:  # the handshake runs off the step; _poll begins the read once it ends
+            try:
+                self.peers.wait(spec, spec.port + self.context.rank)
+            except NixlError as exc:
+                self._refuse(spec, exc)
+
+    def _admit(self, done: Resolved) -> None:
+        """Admit a peer whose handshake ended and begin its reads, or fail them."""
+        assert self.agent is not None
         try:
-            if not agent.has_peer(spec.engine_id):
-                info = await anyio.to_thread.run_sync(
-                    fetch_peer_info, spec.host, spec.port + rank, opts.handshake_timeout_s
-                )
-                if info.engine_id != spec.engine_id:
-                    raise NixlError(f"peer at {spec.host} is {info.engine_id!r}")
-                agent.add_peer(info)
-            notif = NOTIF_PREFIX + spec.remote_request_id.encode()
-            if not spec.local_block_ids:  # nothing to read: only free the producer's
-                agent.notify(spec.engine_id, notif)
-                return
-            handle = agent.start_read(
-                spec.engine_id,
-                spec.remote_block_ids,
-                spec.local_block_ids,
-                notif,
-                opts.read_timeout_s,
-            )
+            if done.error is not None:
+                raise done.error
+            assert done.info is not None
+            if done.info.engine_id != done.engine_id:
+                raise NixlError(f"peer {done.engine_id!r} is {done.info.engine_id!r}")
+            self.agent.add_peer(done.info)
         except NixlError as exc:
-            if spec.local_block_ids:
-                self._fail(spec, exc)
-            else:
-                log.warning("nixl notify failed", req_id=spec.req_id, error=str(exc))
+            log.warning("nixl handshake failed", peer=done.engine_id, error=str(exc))
+            for spec in done.reads:
+                self._refuse(spec, exc)
             return
-        self._reads[spec.req_id] = _Read(spec, handle)
+        for spec in done.reads:
+            self._begin(spec)
+
+    def _begin(self, spec: RemoteRead) -> None:
+        """Queue the READ of an admitted peer (or only its notification: no block to
+        read) for the agent thread (:mod:`connectors.nixl.posting`)."""
+        self.poster.add(spec)
+
+    def _pump(self) -> None:
+        """Once the agent thread is free: take what it posted, hand it the queue."""
+        if self.agent is None or self.poster.busy:
+            return
+        for spec, result in self.poster.harvest():
+            if isinstance(result, NixlError):
+                self._refuse(spec, result)
+            elif result is not None:
+                self._reads[spec.req_id] = _Read(spec, result)
+        self.poster.submit(self.agent, self.options.read_timeout_s)
+
+    def _refuse(self, spec: RemoteRead, exc: NixlError) -> None:
+        if spec.local_block_ids:
+            self._fail(spec, exc)
+        else:
+            log.warning("nixl notify failed", req_id=spec.req_id, error=str(exc))
 
     def _fail(self, spec: RemoteRead, exc: Exception) -> None:
         log.warning("nixl read failed", req_id=spec.req_id, peer=spec.engine_id, error=str(exc))
-        if self.agent is not None:
+        if self.agent is not None and not self.poster.busy:
             self.agent.remove_peer(spec.engine_id)  # a restarted peer is fetched again
         self._load_errors.update(spec.local_block_ids)
         self._finish_read(spec.req_id)
@@ -159,8 +222,11 @@ class NixlWorker(KVConnectorWorker):
 
     def _poll(self) -> None:
         agent = self.agent
-        if agent is None:
+        if agent is None or self.poster.busy:  # the agent is the thread's: next step
             return
+        self._pump()
+        for resolved in self.peers.take_resolved():
+            self._admit(resolved)
         for req_id, read in list(self._reads.items()):
             try:
                 done = agent.poll(read.handle)
@@ -170,21 +236,11 @@ class NixlWorker(KVConnectorWorker):
                 continue
             if done:
                 del self._reads[req_id]
+                self._count_load(read.spec)
                 self._finish_read(req_id)
-        now = time.monotonic()
-        self._early.update(dict.fromkeys(agent.take_notifications(), now))
-        for req_id in [r for r in self._early if r in self._held]:
-            del self._early[req_id], self._held[req_id]
-            self._done_sending.add(req_id)
-        for req_id, deadline in list(self._held.items()):
-            if now > deadline:
-                log.warning("nixl send lease expired; blocks freed", req_id=req_id)
-                del self._held[req_id]
-                self._done_sending.add(req_id)
-        for req_id in [r for r, t in self._early.items() if now - t > self.options.lease_s]:
-            del self._early[req_id]
-        while len(self._early) > _MAX_EARLY:
-            del self._early[next(iter(self._early))]
+        notified = agent.take_notifications()
+        self._done_sending.update(self.sends.take_released(notified, time.monotonic()))
+        self._pump()  # the peers admitted above
 
     async def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerFinished:
         """Reads that ended (``recving``), sends released (``sending``). Polls; only a
@@ -199,7 +255,34 @@ class NixlWorker(KVConnectorWorker):
         self._idle_step = False
         sending, self._done_sending = frozenset(self._done_sending), set()
         recving, self._done_recving = frozenset(self._done_recving), set()
+        self._stats, self._loaded = (*self._loaded, 0, 0), (0, 0)
         return WorkerFinished(sending=sending, recving=recving)
+
+    def _count_load(self, spec: RemoteRead) -> None:
+        """Add a completed read (cancelled or not: its bytes moved) to the traffic.
+
+        Every rank reads the same token positions (its shard or its own copy), but the
+        ranks finish a read in different steps and fan-in merges one step's tokens with
+        ``max``: only rank 0 counts tokens, so they add up once over the steps.
+        """
+        if self.agent is None:
+            return
+        info = self.agent.info  # block_bytes: one block of K (or V) of one layer
+        blocks = len(spec.local_block_ids)
+        tokens, nbytes = self._loaded
+        self._loaded = (
+            tokens + (blocks * info.block_size if info.tp_rank == 0 else 0),
+            nbytes + blocks * 2 * len(info.layer_addrs) * info.block_bytes,
+        )
+
+    def get_kv_stats(self) -> tuple[int, int, int, int]:
+        """``(loaded_tokens, loaded_bytes, 0, 0)`` of the reads that completed by this
+        step's :meth:`get_finished`: this rank's bytes, tokens on rank 0 only (a read
+        that failed on another rank is still counted there). A failed read counts
+        nothing. Sends count no saves: a consumer's notification names the request,
+        not how many blocks it read. A query; the same answer until the next step's
+        :meth:`get_finished`."""
+        return self._stats
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         """Blocks of reads that failed since the previous call, each reported once."""
@@ -207,11 +290,14 @@ class NixlWorker(KVConnectorWorker):
         return errors
 
     async def aclose(self) -> None:
-        """Stop serving, forget peers, deregister the cache; idempotent."""
+        """Stop the handshakes, stop serving, forget peers, deregister the cache;
+        idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
+            self.peers.close()
+            await anyio.to_thread.run_sync(self.poster.close())
             if self.server is not None:
                 self.server.close()
         finally:

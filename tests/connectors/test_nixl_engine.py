@@ -124,11 +124,13 @@ class TestDisaggregated:
             assert not any(wait_idle(consumer).values())
 
     def test_a_producer_of_another_block_size_is_refused(self) -> None:
-        """KV of another block size is never loaded: the request fails alone; the
-        producer frees its blocks when its lease runs out."""
+        """KV of another block size is never loaded: under load_failure_policy="fail"
+        the request fails alone (test_nixl_failures: recompute); the producer frees its
+        blocks when its lease runs out."""
         with LLM(config("producer", port=free_port(), lease_s=0.3)) as producer:
             params = prefill(producer, prompts()[:1])
-            with LLM(config("consumer", port=free_port(), block_size=8)) as consumer:
+            cfg = config("consumer", port=free_port(), block_size=8, load_failure_policy="fail")
+            with LLM(cfg) as consumer:
                 (out,) = consumer.generate(prompts()[:1], PARAMS, kv_transfer_params=params)
                 assert out.finish_reason == "error"
                 assert not any(wait_idle(consumer).values())

@@ -17,7 +17,6 @@ from connectors.nixl import (
     NixlMetadata,
     NixlOptions,
     NixlScheduler,
-    PeerMismatchError,
     RemotePrefill,
 )
 from pipeline import SamplingParams
@@ -180,12 +179,25 @@ class TestConsumer:
         ],
     )
     def test_a_mismatched_producer_is_refused(self, over: dict[str, Any], field: str) -> None:
-        """KV of another model, block size or TP size is never read."""
-        with pytest.raises(PeerMismatchError) as info:
-            scheduler("consumer").get_num_new_matched_tokens(
-                request("c", 10, self.params(**over)), 0
-            )
-        assert info.value.field == field
+        """KV of another model, block size or TP size is never read: the read is
+        refused (naming the field), so the workers report its blocks as load errors
+        and load_failure_policy decides (recompute or fail), as for any failed load."""
+        sched = scheduler("consumer")
+        req = request("c", 10, self.params(**over))
+        assert sched.get_num_new_matched_tokens(req, 0) == MatchResult(8, True)
+        sched.update_state_after_alloc(req, [11, 12, 13], 8)
+        (read,) = sched.build_connector_meta(None).reads  # type: ignore[arg-type]
+        assert read.local_block_ids == (11, 12)
+        assert f"differs in {field}" in read.refused
+        assert sched.has_pending_work()  # parked until the workers report it
+
+    def test_a_mismatched_producer_with_nothing_to_read_is_computed_here(self) -> None:
+        """A prompt within one block: nothing would load, nothing is refused."""
+        sched = scheduler("consumer")
+        req = request("c", 3, self.params(block_size=8))
+        assert sched.get_num_new_matched_tokens(req, 0) == MatchResult(0, False)
+        sched.update_state_after_alloc(req, [11], 0)
+        assert sched.build_connector_meta(None).reads == ()  # type: ignore[arg-type]
 
     def test_a_request_finished_while_reading_is_held_until_the_read_is_over(self) -> None:
         """Its blocks stay (delay_free) and the workers are told to cancel."""

@@ -1,10 +1,10 @@
 """Disaggregated prefill/decode end to end: real ``kvstep serve --kv-role producer`` and
 ``--kv-role consumer`` processes (nixl connector) behind a real ``kvstep proxy``, against
-a plain ``kvstep serve`` as the single-engine reference (examples/disaggregated.py)."""
+a plain ``kvstep serve`` as the single-engine reference (examples/disaggregated.py), with
+one rank each side and with two worker processes each side (multiproc)."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import random
 from collections.abc import Iterator
@@ -19,7 +19,6 @@ pytest.importorskip("zmq")
 pytest.importorskip("openai")
 
 import httpx
-import openai
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "disaggregated.py"
 LENGTHS = (16, 17, 31, 64, 129, 250, 333, 500)  # 8 concurrent requests, 0..31 blocks
@@ -38,8 +37,23 @@ ex = _load_example()
 
 
 @pytest.fixture(scope="module")
-def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with ex.cluster(tmp_path_factory.mktemp("disaggregated")) as cluster:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of a plain single-engine server, shared by the clusters."""
+    with ex.reference_server(tmp_path_factory.mktemp("reference")) as server:
+        yield server.urls["reference"]
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory: pytest.TempPathFactory, reference: str) -> Iterator[Any]:
+    with ex.cluster(tmp_path_factory.mktemp("disaggregated"), reference=reference) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def split(tmp_path_factory: pytest.TempPathFactory, reference: str) -> Iterator[Any]:
+    """Producer and consumer of two worker processes each (stopped after its test)."""
+    logs = tmp_path_factory.mktemp("disaggregated_tp2")
+    with ex.cluster(logs, world_size=2, reference=reference) as cluster:
         yield cluster
 
 
@@ -49,34 +63,20 @@ def prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(1, 500) for _ in range(n)] for n in LENGTHS]
 
 
-async def _one(url: str, prompt: list[int], stream: bool) -> list[int]:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    async with client:
-        kw: dict[str, Any] = {"model": ex.MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS}
-        kw |= {"temperature": 0.0, "extra_body": {"ignore_eos": True}, "timeout": 60}
-        if not stream:
-            answer = await client.completions.create(**kw)
-            return list(getattr(answer.choices[0], "token_ids", None) or [])
-        ids: list[int] = []
-        async for chunk in await client.completions.create(**kw, stream=True):
-            for choice in chunk.choices:
-                ids += getattr(choice, "token_ids", None) or []
-        return ids
-
-
-def generate(url: str, batch: list[list[int]], stream: bool) -> list[list[int]]:
-    """Greedy token ids of every prompt, all requests in flight at once."""
-
-    async def run() -> list[list[int]]:
-        return list(await asyncio.gather(*(_one(url, p, stream) for p in batch)))
-
-    return asyncio.run(run())
-
-
 def assert_healthy(procs: Any) -> None:
     assert all(procs.alive().values()), procs.alive()
     for name in (*ex.ENGINES, "proxy"):
         assert httpx.get(f"{procs.urls[name]}/health", timeout=10).status_code == 200, name
+
+
+def assert_disaggregated(procs: Any, seed: int, stream: bool) -> None:
+    """8 concurrent requests through the proxy give the reference's greedy tokens; the
+    consumer loads every whole prompt block (kvstep_kv_loaded_tokens) and computes
+    the rest; the producer computes every prompt token; every process stays healthy."""
+    result = ex.check(procs, prompts(seed), MAX_TOKENS, stream)  # asserts the first two
+    assert result["computed_producer"] == sum(LENGTHS), result
+    assert result["loaded_consumer"] == sum(ex.full_blocks(n) for n in LENGTHS), result
+    assert_healthy(procs)
 
 
 @pytest.mark.slow
@@ -85,17 +85,13 @@ def test_proxy_answers_as_one_engine_with_the_prompt_read_over_nixl(
     procs: Any, stream: bool
 ) -> None:
     """8 concurrent greedy requests (16..500 prompt tokens) through the proxy give a
-    single engine's tokens; the consumer computes all but the full prompt blocks it read
-    from the producer; every process stays healthy."""
-    batch = prompts(seed=int(stream))
-    before = ex.scheduled(procs)
-    proxied = generate(procs.urls["proxy"], batch, stream)
-    reference = generate(procs.urls["reference"], batch, stream)
-    assert [len(t) for t in proxied] == [MAX_TOKENS] * len(batch)
-    assert proxied == reference
-    after = ex.scheduled(procs)
-    computed = {n: after[n] - before[n] for n in ex.ENGINES}
-    assert computed["producer"] == sum(LENGTHS)
-    loaded = sum((n - 1) // ex.BLOCK_SIZE * ex.BLOCK_SIZE for n in LENGTHS)
-    assert computed["reference"] - computed["consumer"] == loaded, (computed, procs.log("consumer"))
-    assert_healthy(procs)
+    single engine's tokens; the consumer loads the full prompt blocks from the producer
+    (its /metrics say so) and computes the rest; every process stays healthy."""
+    assert_disaggregated(procs, seed=int(stream), stream=stream)
+
+
+@pytest.mark.slow
+def test_two_worker_processes_each_side_answer_as_one_engine(split: Any) -> None:
+    """The same with world_size 2 (multiproc) on both sides: each consumer rank reads
+    its shard from the producer's rank; the prompt tokens are counted loaded once."""
+    assert_disaggregated(split, seed=2, stream=False)

@@ -1,0 +1,83 @@
+"""``HeldSends``: a producer rank's finished prefills, held until their consumer is done.
+
+A held request is released (its blocks freed by the scheduler) exactly once: when a
+consumer's notification names it, or when its lease runs out. Notifications are hostile
+and unordered, so each case is idempotent:
+
+- one that arrives before its send is held (the consumer read faster than this rank got
+  the step's metadata) is kept as *early*, for at most ``lease_s``, and releases the send
+  as soon as it is held;
+- one for a request released less than ``lease_s`` ago (repeated, or late after the
+  lease ran out) is dropped, never kept as early: it must not release a later request
+  that reuses the id while its consumer may still be reading. The cost of that rule: a
+  reused id whose own notification comes early waits for its lease;
+- one for a request this rank never held is kept as early and pruned after ``lease_s``.
+
+Both kept sets are capped, so a flood of notifications costs bounded memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pipeline.logs import get_logger
+
+__all__ = ["HeldSends"]
+
+log = get_logger()
+_MAX_KEPT = 4096  # early notifications, and recently released ids, kept at most
+
+
+class HeldSends:
+    """The sends one producer rank holds (see the module docstring).
+
+    Args:
+        lease_s: How long a send is held without a notification, and how long an early
+            notification or a released id is remembered.
+    """
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._held: dict[str, float] = {}  # req id -> lease deadline
+        self._early: dict[str, float] = {}  # notified before held -> when
+        self._released: dict[str, float] = {}  # released -> when
+
+    def __len__(self) -> int:
+        """Sends held now."""
+        return len(self._held)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._held
+
+    def hold(self, req_id: str, now: float) -> None:
+        """Hold ``req_id``'s blocks until a notification names it or ``lease_s`` ends."""
+        self._held[req_id] = now + self.lease_s
+
+    def take_released(self, notified: Iterable[str], now: float) -> list[str]:
+        """Apply the notifications that arrived since the previous call and the leases
+        that ran out by ``now``; the sends released, each once in this holder's life
+        (until its id is held again)."""
+        for req_id in notified:
+            if req_id in self._held or req_id not in self._released:
+                self._early[req_id] = now
+            else:
+                log.debug("nixl notification for a released send dropped", req_id=req_id)
+        out = [r for r in self._early if r in self._held]
+        for req_id in out:
+            del self._early[req_id], self._held[req_id]
+        for req_id, deadline in list(self._held.items()):
+            if now > deadline:
+                log.warning("nixl send lease expired; blocks freed", req_id=req_id)
+                del self._held[req_id]
+                out.append(req_id)
+        for req_id in out:
+            self._released.pop(req_id, None)  # re-insert: the dict stays in time order
+            self._released[req_id] = now
+        for kept in (self._early, self._released):
+            for req_id in [r for r, t in kept.items() if now - t > self.lease_s]:
+                del kept[req_id]
+            if len(kept) > _MAX_KEPT:  # the oldest go (one pass: a flood stays linear)
+                newest = list(kept.items())[-_MAX_KEPT:]
+                kept.clear()
+                kept.update(newest)
+        return out
