@@ -1,6 +1,6 @@
-"""The serving benchmark's client side: a ``kvstep serve`` process started from this
-repository, the seeded Poisson workload of shared-prefix prompts, and the streaming
-client that times each request (see ``benchmarks/serve.py``)."""
+"""The serving benchmark's client side: ``kvstep serve`` (and ``kvstep proxy``)
+processes started from this repository, the seeded Poisson workload of shared-prefix
+prompts, and the streaming client that times each request (see ``benchmarks/serve.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import anyio
@@ -45,34 +45,60 @@ def free_port() -> int:
         return port
 
 
-@contextlib.contextmanager
-def serve(model: str, extra: Sequence[str], log: Path, timeout_s: float = 180.0) -> Iterator[str]:
-    """Start ``kvstep serve`` from this repository, wait for ``/health``; yield its URL.
-
-    The process is terminated (then killed after 30 s) on exit, whatever happened.
-    """
-    port = free_port()
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--model", model, *extra]
-    env = {**os.environ}
+def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
+    """This process's environment plus ``extra``, with this repository on ``PYTHONPATH``."""
+    env = {**os.environ, **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    url = f"http://127.0.0.1:{port}"
+    return env
+
+
+@attrs.frozen
+class Launched:
+    """A ``python -m pipeline.cli`` process started by :func:`launch`.
+
+    Attributes:
+        url: Its base URL (``http://127.0.0.1:PORT``).
+        process: The process.
+        log: Its stdout and stderr.
+    """
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def wait_healthy(self, deadline: float) -> None:
+        """Return once ``/health`` answers 200; ``RuntimeError`` (with the log's tail)
+        when the process exits first or ``deadline`` (``time.monotonic``) passes."""
+        while True:
+            if self.process.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.url} exited with {self.process.returncode}:\n{tail}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.url} did not come up in time:\n{tail}")
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def launch(
+    command: str, flags: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+) -> Iterator[Launched]:
+    """Start ``python -m pipeline.cli COMMAND --host 127.0.0.1 --port PORT FLAGS`` (a
+    free port) from this repository, output to ``log``, ``env`` added to this process's
+    environment; yields at once (see :meth:`Launched.wait_healthy`). Terminated (then
+    killed after 30 s) on exit, whatever happened."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pipeline.cli", command, "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), *flags]
     with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        process = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=_env(env)
+        )
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if process.poll() is not None:
-                    tail = log.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"server exited with {process.returncode}:\n{tail}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    tail = log.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"server did not come up in {timeout_s} s:\n{tail}")
-                time.sleep(0.2)
-            yield url
+            yield Launched(f"http://127.0.0.1:{port}", process, log)
         finally:
             process.terminate()
             try:
@@ -80,6 +106,37 @@ def serve(model: str, extra: Sequence[str], log: Path, timeout_s: float = 180.0)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+@contextlib.contextmanager
+def serve(
+    model: str,
+    extra: Sequence[str],
+    log: Path,
+    timeout_s: float = 180.0,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[str]:
+    """Start ``kvstep serve`` from this repository, wait for ``/health``; yield its URL.
+
+    The process is terminated (then killed after 30 s) on exit, whatever happened.
+    """
+    with launch("serve", ["--model", model, *extra], log, env) as server:
+        server.wait_healthy(time.monotonic() + timeout_s)
+        yield server.url
+
+
+@contextlib.contextmanager
+def proxy(
+    flags: Sequence[str],
+    log: Path,
+    timeout_s: float = 60.0,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[str]:
+    """``kvstep proxy`` with ``flags`` (its backends and policy); yields its URL once its
+    ``/health`` is 200 (it has seen a healthy backend in each pool); stopped on exit."""
+    with launch("proxy", flags, log, env) as started:
+        started.wait_healthy(time.monotonic() + timeout_s)
+        yield started.url
 
 
 # -- the workload -------------------------------------------------------------------------

@@ -49,6 +49,48 @@ class ServerProcess:
     def health(self, **headers: str) -> httpx.Response:
         return httpx.get(f"{self.url}/health", timeout=10, headers=headers)
 
+    def wait_healthy(self, deadline: float) -> None:
+        """Return once ``/health`` answers 200; ``RuntimeError`` (with the log's tail)
+        when the process exits first or ``deadline`` (``time.monotonic``) passes."""
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.process.returncode}: {self.log_text()[-3000:]}"
+                )
+            with contextlib.suppress(httpx.TransportError):
+                if self.health().status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not come up: {self.log_text()[-3000:]}")
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def launch(
+    command: str, args: Sequence[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """Start ``python -m pipeline.cli COMMAND`` on a free loopback port, without waiting
+    for it (:meth:`ServerProcess.wait_healthy`); stop it on exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pipeline.cli", command, "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), *args]
+    environ: dict[str, Any] = {**os.environ, **(env or {})}
+    environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), environ.get("PYTHONPATH", "")) if p
+    )
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=environ)
+        try:
+            yield ServerProcess(url, port, process, log)
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
 
 @contextlib.contextmanager
 def run_server(
@@ -59,36 +101,7 @@ def run_server(
     start_timeout_s: float = 120.0,
 ) -> Iterator[ServerProcess]:
     """Start ``kvstep serve`` and wait for /health; stop it on exit."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port)]
-    cmd += ["--model", str(model), "--dtype", "float32", *extra]
-    environ: dict[str, Any] = {**os.environ, **(env or {})}
-    environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), environ.get("PYTHONPATH", "")) if p
-    )
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=environ)
-        server = ServerProcess(url, port, process, log)
-        try:
-            deadline = time.monotonic() + start_timeout_s
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(
-                        f"server exited with {process.returncode}: {server.log_text()[-3000:]}"
-                    )
-                with contextlib.suppress(httpx.TransportError):
-                    if server.health().status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not come up: {server.log_text()[-3000:]}")
-                time.sleep(0.2)
-            yield server
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    args = ["--model", str(model), "--dtype", "float32", *extra]
+    with launch("serve", args, log, env) as server:
+        server.wait_healthy(time.monotonic() + start_timeout_s)
+        yield server

@@ -15,8 +15,44 @@ TINY_ARGS = {
     "step_overhead.py": ["--steps", "50"],
     "crash_consistency.py": ["--trials", "3"],
     "detokenize.py": ["--lengths", "50", "--repeats", "1"],
+    # part 3 (four server processes) is left out: it alone takes ~25 s on an idle box
+    "disagg.py": [
+        "--parts",
+        "1,2",
+        "--model",
+        "small",
+        "--transfer-prompt-len",
+        "64",
+        "--transfer-repeats",
+        "1",
+        "--prompt-lens",
+        "64",
+        "--prompts",
+        "1",
+    ],
     "layer_overlap.py": ["--prefix-len", "64", "--new-len", "8", "--repeats", "1"],
     "kv_reuse.py": ["--prompts", "1", "--prompt-len", "64"],
+    # one policy and two replicas (each policy starts fresh processes): ~12 s
+    "routing.py": [
+        "--policies",
+        "kv-aware",
+        "--replicas",
+        "2",
+        "--num-requests",
+        "4",
+        "--request-rate",
+        "20",
+        "--num-prefixes",
+        "2",
+        "--prefix-words",
+        "20,40",
+        "--suffix-words",
+        "2,4",
+        "--output-tokens",
+        "2,2",
+        "--warmup",
+        "1",
+    ],
     "serve.py": [
         "--num-requests",
         "6",
@@ -77,7 +113,17 @@ def _check_serve(result: dict) -> None:
     assert isinstance(result["all_ok"], bool)
 
 
-CHECKS = {"serve.py": _check_serve}
+def _check_routing(result: dict) -> None:
+    """Every request completed through the proxy, and the replicas counted them."""
+    (row,) = result["policies"]
+    assert row["policy"] == "kv-aware"
+    assert (row["completed"], row["failed"]) == (4, 0)
+    assert sum(row["requests_per_replica"]) == 4
+    assert 0.0 <= row["hit_rate"] <= 1.0
+    assert row["route_decisions"] >= 4
+
+
+CHECKS = {"serve.py": _check_serve, "routing.py": _check_routing}
 
 
 def test_every_benchmark_is_covered() -> None:

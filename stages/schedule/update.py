@@ -207,6 +207,11 @@ def _handle_load_errors(
             valid_tokens=valid,
             policy=policy.load_failure_policy,
         )
+        external = request.num_external_computed_tokens
+        if external:  # only what really loaded counts as the connector's
+            served = request.num_cached_tokens if request.num_cached_tokens >= 0 else expected
+            start = served - external  # where the connector's tokens began
+            request.num_external_computed_tokens = max(0, min(external, valid - start))
         if policy.load_failure_policy == "fail":
             error = f"KV of block {block_ids[first]} failed to load (load_failure_policy=fail)"
             state.finish(request, RequestStatus.FINISHED_ERROR, error)

@@ -357,6 +357,7 @@ class TestSingleFaults:
         _check_runs(runs, policy)
         final = runs[0].decode.outputs[-1]
         assert final.finish_reason == ("length" if policy == "recompute" else "error"), final
+        assert _external(final) == 0  # nothing loaded: the connector served no token
 
     def test_a_cancelled_get_finished_loses_no_report(
         self, leak_check: Callable[[dict[str, int]], None]
