@@ -11,7 +11,6 @@ data. It uses the same writer and checker as ``tests/connectors/test_shared_stor
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -21,14 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _results import RESULTS, save
+
 TESTS = Path(__file__).resolve().parent.parent / "tests" / "connectors"
 sys.path.insert(0, str(TESTS))
 
 from test_shared_storage_crash import ask, check_every_key, temps, writer  # noqa: E402
 
 from connectors.shared_storage.store import DiskStore  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -72,8 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'keys valid / missing at the end':<34}{after[0]:>4} / {after[1]}")
     print(f"{'temp files left, then cleaned':<34}{left:>4} / {cleaned}")
     print(f"{'seconds':<34}{result['seconds']:>8.1f}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    save(args.json, result)
     return result
 
 

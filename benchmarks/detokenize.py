@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import platform
 import random
 import statistics
@@ -26,6 +25,8 @@ from time import perf_counter
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _results import save
 
 from pipeline.detokenize import Detokenizer
 from pipeline.tokenizer import Tokenizer
@@ -149,8 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
     }
     print_table(rows)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    save(args.json, result)
     print(f"wrote {args.json}")
     return result
 

@@ -46,9 +46,9 @@ import attrs
 import torch
 from _disagg_itl import SETUPS, Workload
 from _models import save_random_llama
+from _results import RESULTS, save
 from kv_reuse import BLOCK, build_model
 
-RESULTS = Path(__file__).parent / "results"
 GOALS = {"transfer_vs_memcpy": 0.5, "ttft_speedup": 5.0, "disagg_p99_vs_no_load": 1.5}
 
 
@@ -202,8 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if importlib.util.find_spec("nixl_cu12") is None or importlib.util.find_spec("zmq") is None:
         print("nixl is not installed (pip install 'kvstep[nixl]'); nothing to measure")
         skipped: dict[str, Any] = {"skipped": "nixl_cu12 or pyzmq is not installed"}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(skipped, indent=2))
+        save(args.json, skipped)
         return skipped
     torch.set_num_threads(args.threads)
     start, load_before = time.perf_counter(), os.getloadavg()[0]
@@ -234,8 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         goals=GOALS,
     )
     print_report(result)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    save(args.json, result)
     return result
 
 

@@ -16,7 +16,6 @@ memcpy. JSON goes to ``benchmarks/results/kv_reuse.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -27,10 +26,10 @@ from typing import Any
 import attrs
 import torch
 from _models import save_random_llama
+from _results import RESULTS, save
 
 from pipeline import LLM, EngineConfig, SamplingParams
 
-RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -314,8 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{res['ttft_speedup']:>8.1f}x {cells}"
             f"{(f'{ratio:.0%}' if ratio is not None else '-'):>7}  {res['identical_outputs']}"
         )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    save(args.json, result)
     return result
 
 

@@ -37,12 +37,12 @@ from typing import Any, ClassVar
 
 import torch
 from _models import save_random_llama
+from _results import RESULTS, save
 
 from connectors.offload import LoadJob, OffloadScheduler, OffloadWorker
 from connectors.registry import register_connector
 from pipeline import LLM, EngineConfig, SamplingParams
 
-RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 LAYERS = 8
@@ -239,8 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:<22}{value * 1e3:>9.2f}{value / bound:>8.2f}{ratio_sum:>8.2f}")
     verdict = "ok" if overlapped / bound <= 1.3 else "ABOVE GOAL"
     print(f"overlapped / max = {overlapped / bound:.2f} (goal <= 1.3: {verdict})")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    save(args.json, result)
     return result
 
 

@@ -53,7 +53,6 @@ from the tail first still hits in part. JSON goes to ``benchmarks/results/routin
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -64,12 +63,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _results import RESULTS, save
 from _routing_policy import MODEL, Setup, run_policy
 from _serve_client import RequestSpec, build_workload
 from _serve_metrics import SAMPLE_QUANTILE
 from serve import _range
 
-RESULTS = Path(__file__).parent / "results"
 POLICIES = ("round-robin", "least-loaded", "kv-aware")
 BLOCK_SIZE = 16  # kvstep serve's default, which the proxy assumes too
 
@@ -250,8 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
     }
     print_report(result)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    save(args.json, result)
     return result
 
 

@@ -89,7 +89,6 @@ JSON goes to ``benchmarks/results/serve.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import tempfile
@@ -99,10 +98,9 @@ from typing import Any
 
 import anyio
 import attrs
+from _results import RESULTS, save
 from _serve_client import RequestSpec, WorkloadRun, build_workload, run_workload, serve
 from _serve_metrics import TOLERANCE, Scrape, compare, histogram_quantile
-
-RESULTS = Path(__file__).parent / "results"
 
 # Server metric families (their names as the text exposition gives them).
 TTFT = "kvstep_time_to_first_token_seconds"
@@ -291,8 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["load_average_1m"] = [load_before, os.getloadavg()[0]]  # was the machine shared?
     result["cpu_count"] = os.cpu_count()
     print_report(result)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    save(args.json, result)
     return result
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import platform
 import statistics
 import sys
@@ -48,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _kv_events_cost import measure_kv_events, print_kv_events
 from _noop import NoopStage
+from _results import save
 
 from pipeline.artifacts import (
     LoadStarted,
@@ -362,8 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table(rows, args.backend, args.steps)
     print_fan_in(fan_in, args.backend, args.steps)
     print_kv_events(kv_events)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    save(args.json, result)
     print(f"wrote {args.json}")
     return result
 

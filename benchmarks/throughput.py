@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 from _models import save_random_llama
+from _results import RESULTS, save
 
 from pipeline import LLM, EngineConfig, SamplingParams
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def build_model(path: Path, seed: int = 0) -> int:
@@ -172,8 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"ratio kvstep/transformers: {result['ratio']:.2f}x  "
         f"(identical greedy outputs: {agree:.0%} of requests)"
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    save(args.json, result)
     return result
 
 

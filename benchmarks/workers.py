@@ -70,6 +70,7 @@ import anyio.to_thread
 import attrs
 import torch
 from _noop import NoopStage
+from _results import RESULTS, save
 
 from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.artifacts import (
@@ -84,7 +85,6 @@ from pipeline.engine.core import EngineCore
 from pipeline.kernel.context import StepContext
 from pipeline.kernel.graph import StepGraph
 
-RESULTS = Path(__file__).parent / "results"
 NOOP_GRAPH = "workers:noop_worker_graph"
 NOOP_TOKEN = 3  # what the no-op ``sample`` "samples" (not EOS; EOS is ignored anyway)
 # Part 1's engines: (label, executor, world size).
@@ -620,8 +620,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print_results(result)
     print(f"wall time: {result['wall_s']:.1f} s")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    save(args.json, result)
     print(f"wrote {args.json}")
     return result
 
