@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 from checkpoints import TINY, build_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,6 +39,19 @@ def assert_no_leaks(report: dict[str, int]) -> None:
 @pytest.fixture
 def leak_check() -> Callable[[dict[str, int]], None]:
     return assert_no_leaks
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_found() -> Iterator[None]:
+    """A test that configured structlog (``structlog.testing.capture_logs`` does, and
+    leaves ``structlog.is_configured()`` true) must not send the next tests' kvstep events
+    to structlog instead of the stdlib logger their ``caplog`` reads."""
+    yield
+    if not _STRUCTLOG_CONFIGURED and structlog.is_configured():
+        structlog.reset_defaults()
+
+
+_STRUCTLOG_CONFIGURED = structlog.is_configured()  # before any test ran
 
 
 @pytest.fixture(autouse=True)
