@@ -9,10 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,86 +17,17 @@ from typing import Any
 import anyio
 import attrs
 
-from pipeline.cli.flag_help import RUN_DEFAULTS, config_flag_help, finish_help
-from pipeline.config import EngineConfig
+from pipeline.cli.config_flags import (
+    add_config_flags,
+    config_error,
+    config_fields,
+    serve_config,
+)
+from pipeline.cli.flag_help import RUN_DEFAULTS, finish_help
 from pipeline.errors import InvalidConfigError, KvstepError
 from pipeline.logs import cli_logging
 
-__all__ = ["build_parser", "main"]
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """The value of ``--connector-options``: a JSON object, else an argparse error."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"invalid JSON {text!r} ({exc})") from None
-    if not isinstance(value, dict):
-        kind = type(value).__name__
-        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, not {kind} {text!r}")
-    return value
-
-
-def _endpoint_or_json(text: str) -> str | dict[str, Any]:
-    """The value of ``--kv-events-endpoint``: an endpoint, or a JSON object of fields."""
-    return _json_object(text) if text.lstrip().startswith("{") else text
-
-
-#: Fields whose flag is not ``--`` + the field name, and what that flag parses.
-_FLAGS: dict[str, tuple[str, Any]] = {"kv_events": ("--kv-events-endpoint", _endpoint_or_json)}
-
-
-def _flag(field: str) -> str:
-    return _FLAGS[field][0] if field in _FLAGS else "--" + field.replace("_", "-")
-
-
-def _flag_kind(hint: Any) -> type:
-    """What a field's flag parses to: ``bool``, ``int``, ``float``, ``dict`` or ``str``."""
-    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    members = typing.get_args(hint) if union else (hint,)
-    kinds = {typing.get_origin(m) or m for m in members} - {type(None)}
-    if len(kinds) == 1 and (kind := kinds.pop()) in (bool, int, float, dict):
-        return kind
-    return str
-
-
-def _add_config_flags(
-    parser: argparse.ArgumentParser, defaults: dict[str, str] | None = None
-) -> None:
-    hints = typing.get_type_hints(EngineConfig)
-    for field in attrs.fields(EngineConfig):
-        flag = _flag(field.name)
-        kind = _flag_kind(hints[field.name])
-        text = config_flag_help(field, defaults)
-        if field.name in _FLAGS:
-            parser.add_argument(
-                flag,
-                dest=field.name,
-                type=_FLAGS[field.name][1],
-                default=None,
-                metavar="ENDPOINT|JSON",
-                help=text,
-            )
-        elif kind is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=text
-            )
-        elif kind is dict:
-            parser.add_argument(
-                flag, type=_json_object, default=None, help=f"A JSON object. {text}"
-            )
-        elif kind is str:
-            parser.add_argument(flag, default=None, help=text)
-        else:
-            parser.add_argument(flag, type=kind, default=None, help=text)
-
-
-def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        f.name: getattr(args, f.name)
-        for f in attrs.fields(EngineConfig)
-        if getattr(args, f.name, None) is not None
-    }
+__all__ = ["build_parser", "main", "serve_config"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a shared-prefix workload twice, across a restart")
-    _add_config_flags(run, RUN_DEFAULTS)
+    add_config_flags(run, RUN_DEFAULTS)
     run.add_argument("--num-prompts", type=int, default=16, help="prompts per pass")
     run.add_argument("--prefix-len", type=int, default=192, help="shared prefix tokens")
     run.add_argument("--suffix-len", type=int, default=32, help="unique suffix tokens")
@@ -128,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     serve = sub.add_parser("serve", help="OpenAI-compatible server (kvstep[server])")
-    _add_config_flags(serve)
+    add_config_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument(
@@ -161,7 +89,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         keep_store=args.keep_store,
     )
-    config = default_run_config(**_config_fields(args))
+    config = default_run_config(**config_fields(args))
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -264,32 +192,6 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine configuration of ``kvstep serve``: the config flags, and ``--kv-role``
-    as the ``nixl`` connector in that role.
-
-    Raises:
-        InvalidConfigError: ``--kv-role`` with another ``--connector``, or with a
-            different ``role`` in ``--connector-options``.
-    """
-    fields = _config_fields(args)
-    role = getattr(args, "kv_role", None)
-    if role is not None:
-        connector = fields.get("connector")
-        if connector not in (None, "nixl"):
-            raise InvalidConfigError(
-                "kv_role", role, f"is the nixl connector's role; --connector is {connector!r}"
-            )
-        options = dict(fields.get("connector_options") or {})
-        if options.get("role", role) != role:
-            raise InvalidConfigError(
-                "kv_role", role, f"differs from connector_options role {options['role']!r}"
-            )
-        fields["connector"] = "nixl"
-        fields["connector_options"] = {**options, "role": role}
-    return EngineConfig(**fields)
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     try:
@@ -311,16 +213,6 @@ def _fmt(value: Any) -> str:
     return f"{value:.1f}" if isinstance(value, float) else str(value)
 
 
-def _config_error(args: argparse.Namespace, exc: InvalidConfigError) -> str:
-    """``exc`` as an argparse-style message, naming the flag when one was given."""
-    field = re.split(r"[\[.]", exc.field, maxsplit=1)[0]
-    given = field in attrs.fields_dict(EngineConfig) and getattr(args, field, None) is not None
-    if given:
-        flag = _flag(field)
-        return f"kvstep {args.command}: error: argument {flag}: {exc}"
-    return f"kvstep: error: {exc}"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstep`` console script; returns the exit status.
 
@@ -333,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return commands[args.command](args)
     except InvalidConfigError as exc:
-        print(_config_error(args, exc), file=sys.stderr)
+        print(config_error(args, exc), file=sys.stderr)
         return 2
     except KvstepError as exc:
         print(f"kvstep: error: {exc}", file=sys.stderr)
