@@ -1,18 +1,19 @@
 """Part 1 of ``benchmarks/disagg.py``: NIXL READ bandwidth against ``memcpy``.
 
-The producer is :mod:`_disagg_peer` in its own process (a KV cache of the model's
-shape under a :class:`~connectors.nixl.agent.KVAgent`, its info served on the side
-channel); this process is the consumer: a ``KVAgent`` over a cache of the same shape,
-admitted to the producer through :func:`~connectors.nixl.handshake.fetch_peer_info`,
-reading with :meth:`KVAgent.start_read` (one descriptor per layer, K/V and block,
-built anew for every read, as the connector does) and :meth:`KVAgent.poll` in a busy
-loop until done. The blocks are those the connector reads for a prompt: every full
-block but the last prompt token's. ``memcpy`` is ``torch`` ``copy_`` of the same
-blocks between two caches of the same shape in this process, gathered the same way
-(one ``copy_`` per layer and run of consecutive block ids, K and V together).
+The producer is :mod:`_disagg_peer` in its own process (a KV cache of the model's shape
+under a :class:`~connectors.nixl.agent.KVAgent`, its info served on the side channel);
+this process is the consumer: a ``KVAgent`` over a cache of the same shape, admitted to
+the producer through :func:`~connectors.nixl.handshake.fetch_peer_info`, reading with
+:meth:`KVAgent.start_read` (one descriptor per layer, K/V and run of blocks consecutive
+on both sides, built anew for every read, as the connector does) and
+:meth:`KVAgent.poll` in a busy loop until done. The blocks are those the connector reads
+for a prompt: every full block but the last prompt token's. ``memcpy`` is ``torch``
+``copy_`` of the same blocks between two caches of the same shape in this process,
+gathered the same way (one ``copy_`` per layer and run of consecutive block ids, K and V
+together).
 ``start_read_share`` is the part of a read spent inside ``start_read`` (on host memory
-UCX may copy everything before ``transfer()`` returns: then it is about 100%, and the
-consumer's event loop is blocked for the whole read).
+UCX may copy everything before ``transfer()`` returns: then it is about 100%; the
+connector posts reads on a thread of their own, so its event loop is not blocked).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _median_time(fn: Callable[[], None], repeats: int) -> tuple[float, list[floa
 def measure(shape: KVShape, prompt_len: int, repeats: int) -> dict[str, Any]:
     """Median GB/s of a NIXL READ of a ``prompt_len`` prompt's blocks from the producer
     process, and of ``copy_`` of the same blocks here; the data read is checked once."""
-    from connectors.nixl.agent import KVAgent
+    from connectors.nixl.agent import KVAgent, _runs
     from connectors.nixl.handshake import fetch_peer_info
 
     count = (prompt_len - 1) // shape.block_size  # what the connector reads
@@ -166,7 +167,7 @@ def measure(shape: KVShape, prompt_len: int, repeats: int) -> dict[str, Any]:
         "prompt_len": prompt_len,
         "blocks": count,
         "bytes": nbytes,
-        "descriptors_per_read": 2 * shape.layers * count,
+        "descriptors_per_read": 2 * shape.layers * len(_runs(remote, local)[2]),
         "repeats": repeats,
         "nixl_read_GBps": nbytes / t_read / 1e9,
         "memcpy_GBps": nbytes / t_copy / 1e9,
