@@ -53,8 +53,12 @@ class NixlMetadata(KVConnectorMetadata):
             when ``lease_s`` runs out.
         cancels: Requests that finished while their read was in flight: their blocks
             are held until the read is over, then reported in ``sending``.
+        resent: Whether this also carries the previous step's instructions again (that
+            step's output never came back, so they may never have reached a worker): a
+            worker skips the reads it already has and the sends it holds or released.
     """
 
     reads: tuple[RemoteRead, ...] = ()
     sends: tuple[str, ...] = ()
     cancels: tuple[str, ...] = ()
+    resent: bool = False

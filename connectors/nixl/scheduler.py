@@ -91,6 +91,7 @@ class NixlScheduler(KVConnectorScheduler):
         self.loading: set[str] = set()  # reads in flight (consumer)
         self.loaded: set[str] = set()  # reads done: never read again (consumer)
         self.held: set[str] = set()  # blocks held for a consumer, or until a read is over
+        self._unacked: NixlMetadata | None = None  # built, its step's output not yet back
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
         """A remote prefill's whole blocks past the local hit, but the last prompt
@@ -159,11 +160,21 @@ class NixlScheduler(KVConnectorScheduler):
             self.loaded.add(req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlMetadata:
-        """The reads, held sends and cancels queued since the previous step."""
+        """The reads, held sends and cancels queued since the previous step; when that
+        step's output never came back (it failed, maybe before its workers were bound),
+        also its instructions that still stand, marked ``resent``."""
+        reads, sends, cancels = self._reads, self._sends, self._cancels
+        prev = self._unacked
+        if prev is not None:
+            reading = self.loading | self.loaded
+            reads = [r for r in prev.reads if r.req_id in reading] + reads
+            sends = [s for s in prev.sends if s in self.held] + sends
+            cancels = [c for c in prev.cancels if c in self.held] + cancels
         meta = NixlMetadata(
-            reads=tuple(self._reads), sends=tuple(self._sends), cancels=tuple(self._cancels)
+            reads=tuple(reads), sends=tuple(sends), cancels=tuple(cancels), resent=prev is not None
         )
         self._reads, self._sends, self._cancels = [], [], []
+        self._unacked = meta if (meta.reads or meta.sends or meta.cancels) else None
         return meta
 
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> RequestFinishedResult:
@@ -210,7 +221,9 @@ class NixlScheduler(KVConnectorScheduler):
         return RequestFinishedResult(delay_free=True, kv_transfer_params=answer)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Forget held requests once sent or expired, and reads once done or expired."""
+        """Forget held requests once sent or expired, and reads once done or expired;
+        the step's instructions reached the workers."""
+        self._unacked = None
         for req_id in output.finished_sending | output.expired_sending:
             self.held.discard(req_id)
         for req_id in output.finished_recving:

@@ -49,8 +49,12 @@ class HeldSends:
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._held
 
-    def hold(self, req_id: str, now: float) -> None:
-        """Hold ``req_id``'s blocks until a notification names it or ``lease_s`` ends."""
+    def hold(self, req_id: str, now: float, *, again: bool = False) -> None:
+        """Hold ``req_id``'s blocks until a notification names it or ``lease_s`` ends.
+        ``again``: the scheduler sent this hold once more (a step's output was lost): a
+        send held or released already is left as it is."""
+        if again and (req_id in self._held or req_id in self._released):
+            return
         self._held[req_id] = now + self.lease_s
 
     def take_released(self, notified: Iterable[str], now: float) -> list[str]:

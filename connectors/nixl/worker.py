@@ -85,6 +85,9 @@ class NixlWorker(KVConnectorWorker):
         self.server: HandshakeServer | None = None
         self._reads: dict[str, _Read] = {}
         self._queued: dict[str, RemoteRead] = {}  # bound, not started yet
+        self._seen: dict[str, float] = {}  # reads bound (oldest first): -> when
+        opts = self.options  # a read is over within these: forget it after
+        self._seen_for_s = opts.lease_s + opts.handshake_timeout_s + opts.read_timeout_s
         self.sends = HeldSends(self.options.lease_s)  # producer: held for consumers
         self.poster = ReadPoster()  # reads of admitted peers, posted off the loop
         self.peers = PeerHandshakes(self.options.handshake_timeout_s)
@@ -126,9 +129,14 @@ class NixlWorker(KVConnectorWorker):
             return
         now = time.monotonic()
         for req_id in metadata.sends:
-            self.sends.hold(req_id, now)
+            self.sends.hold(req_id, now, again=metadata.resent)
         for spec in metadata.reads:
-            self._queued[spec.req_id] = spec
+            if spec.req_id not in self._seen:  # else resent: this rank has or had it
+                self._seen[spec.req_id] = now
+                self._queued[spec.req_id] = spec
+        horizon = now - self._seen_for_s
+        while self._seen and next(iter(self._seen.values())) < horizon:
+            del self._seen[next(iter(self._seen))]
         for req_id in metadata.cancels:
             if req_id in self._reads or self.poster.posting(req_id):
                 self._cancelled.add(req_id)

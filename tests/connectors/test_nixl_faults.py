@@ -374,6 +374,22 @@ class TestSingleFaults:
         final = runs[0].decode.outputs[-1]
         assert final.finish_reason == "length" and _external(final) == 32
 
+    def test_a_step_whose_bind_fails_loses_no_instruction(
+        self, leak_check: Callable[[dict[str, int]], None]
+    ) -> None:
+        """bind_connector_metadata raises before the nixl half gets the step's metadata:
+        on the consumer in the step that carries the read, on the producer in the step
+        that holds the prefills. The scheduler halves send those instructions again with
+        the next step (the failed step's output never came back), so the reads happen,
+        the requests decode from the producer's KV and the producer frees its blocks."""
+        clients = [_client(p, 3) for p in _prompts(40, 20)]
+        producer = [Fault(call="bind_connector_metadata", action="raise", step=1)]
+        consumer = [Fault(call="bind_connector_metadata", action="raise", step=0)]
+        runs = anyio.run(_run_pair, clients, producer, consumer, "recompute", leak_check)
+        assert sorted(f.step for f in FaultyConnector.fired) == [0, 1]
+        _check_runs(runs, "recompute")
+        assert [_external(r.decode.outputs[-1]) for r in runs] == [32, 16]
+
     @pytest.mark.parametrize("call", ["get_kv_stats", "get_block_ids_with_load_errors"])
     def test_a_query_failing_after_get_finished_loses_no_report(
         self, leak_check: Callable[[dict[str, int]], None], call: str
@@ -396,19 +412,13 @@ class TestSingleFaults:
 # -- the random schedule ---------------------------------------------------------------
 
 # Left out, each for a reason:
-# - faults that lose an instruction or a report for good, which the pair cannot survive
-#   yet: a raising bind_connector_metadata (the step's sends, reads and cancels never
-#   reach the nixl half: a held prefill is never freed, a parked request never ends),
-#   and a hang past the fan-in deadline (it may cut the step after get_finished, and
-#   the reports it handed over are lost with the step's output);
+# - a hang past the fan-in deadline, which loses a report for good: it may cut the step
+#   after get_finished, and the reports it handed over are lost with the step's output;
 # - faults that drop a call the connector must see, after which no connector's
 #   bookkeeping is right: a raising update_connector_output, a stale
 #   build_connector_meta (it replays old reads and loses new ones), a consumer's
 #   raising request_finished (its read still writes into the blocks being freed).
-LOSSY = {("bind_connector_metadata", "raise")}
-WORKER_FAULTS = tuple(
-    (call, action) for call in WORKER_CALLS for action in CALLS[call] if (call, action) not in LOSSY
-)
+WORKER_FAULTS = tuple((call, action) for call in WORKER_CALLS for action in CALLS[call])
 SCHEDULER_FAULTS = {
     "producer": (
         ("get_num_new_matched_tokens", "raise"),

@@ -211,3 +211,36 @@ class TestConsumer:
         assert sched.build_connector_meta(None).cancels == ("c",)  # type: ignore[arg-type]
         sched.update_connector_output(KVConnectorOutput(finished_sending=frozenset({"c"})))
         assert not sched.has_pending_work()
+
+
+class TestLostSteps:
+    def test_instructions_of_a_step_whose_output_never_came_back_are_sent_again(self) -> None:
+        """A step fails (no update_connector_output before the next build): its read,
+        held send and cancel that still stand go out again, marked resent, with the new
+        ones; those that no longer stand do not; once a step's output arrives, nothing
+        is sent twice."""
+        sched = scheduler("both")
+        params = TestConsumer().params()
+        reading = request("r", 10, params)
+        sched.get_num_new_matched_tokens(reading, 0)
+        sched.update_state_after_alloc(reading, [11, 12, 13], 8)
+        finish(sched, request("p", 9, {"do_remote_decode": True}), [1, 2, 3])
+        first = sched.build_connector_meta(None)  # type: ignore[arg-type]
+        assert ([r.req_id for r in first.reads], first.sends, first.resent) == (
+            ["r"],
+            ("p",),
+            False,
+        )
+        finish(sched, request("q", 9, {"do_remote_decode": True}), [4, 5, 6])
+        again = sched.build_connector_meta(None)  # type: ignore[arg-type]
+        assert ([r.req_id for r in again.reads], again.sends, again.resent) == (
+            ["r"],
+            ("p", "q"),
+            True,
+        )
+        done = frozenset({"p"})
+        sched.update_connector_output(KVConnectorOutput(finished_sending=done))
+        quiet = sched.build_connector_meta(None)  # type: ignore[arg-type]
+        assert (quiet.reads, quiet.sends, quiet.cancels, quiet.resent) == ((), (), (), False)
+        lost = sched.build_connector_meta(None)  # type: ignore[arg-type]
+        assert not lost.resent  # nothing stood: an empty step is not sent again
