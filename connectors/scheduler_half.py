@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from pipeline.artifacts import SchedulerOutput
+    from pipeline.kv_events.sink import KVEventSink
     from pipeline.request import Request
 
 from connectors.types import (
@@ -175,3 +176,27 @@ class KVConnectorScheduler(abc.ABC):
             Exception: Logged and read as ``False`` (drained).
         """
         return False
+
+    def set_kv_event_sink(self, sink: KVEventSink) -> None:  # noqa: B027
+        """Report the blocks this connector's tiers cache and evict into ``sink``.
+
+        Called by the engine once, while it is built and before its first step, and only
+        when KV events are on (``EngineConfig.kv_events``): with events off it is never
+        called and a connector makes no event. Engine process, event loop; synchronous,
+        must not block; cancellation cannot land inside it. The default does nothing (the
+        connector publishes no events).
+
+        A tier that publishes derives its own sink with ``sink.for_medium(medium)`` (its
+        events then join the block pool's in the step's batch, in order) and reports a
+        hash stored only once the tier really holds its block (a save confirmed by the
+        step's output, not merely scheduled), and removed when it evicts or invalidates
+        it, so that an index rebuilt from the events equals what the tier holds. A
+        connector that wraps others forwards the call to each of them.
+
+        Args:
+            sink: The engine's sink (the device tier's; its ``block_size`` and hash
+                format are the engine's).
+
+        Raises:
+            Exception: The engine is not built (a configuration error).
+        """

@@ -175,10 +175,11 @@ class EngineConfig:
             wait for the others; then it expires: a send frees its blocks, a load fails
             its request (``finish_reason="error"``). ``math.inf`` waits forever.
         seed: Seed of the sampler for requests without their own seed.
-        kv_events: Publish the KV cache events of the block pool (vLLM's schema, on
-            ZeroMQ): a ``KVEventsConfig``, a PUB endpoint such as ``tcp://*:5557``, or a
-            dict (JSON object) of ``KVEventsConfig`` fields, e.g. ``{"endpoint":
-            "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}``; ``None``: off.
+        kv_events: Publish the KV cache events of the block pool and of the connector
+            tiers that report them (vLLM's schema, on ZeroMQ): a ``KVEventsConfig``, a
+            PUB endpoint such as ``tcp://*:5557``, or a dict (JSON object) of
+            ``KVEventsConfig`` fields, e.g. ``{"endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558"}``; ``None``: off.
     """
 
     model: str = attrs.field(default="builtin:tiny", validator=_model)

@@ -13,6 +13,9 @@ Every tier is a full connector of its own, built from its entry of ``tiers``::
                                  after an async load), a faster tier sees the blocks
                                  loaded from a slower one as computed in that step, so
                                  it saves them from the paged cache
+    set_kv_event_sink            given to every tier (each publishes under its own
+                                 medium; it is not contained: a tier that raises fails
+                                 the engine's construction)
     everything else              fans out to every tier, each in its own ``try``
 
 A tier that raises is logged and the others still get the call; only the chosen tier's
@@ -44,6 +47,7 @@ from pipeline.logs import get_logger
 
 if TYPE_CHECKING:
     from pipeline.artifacts import ScheduledRequest, SchedulerOutput
+    from pipeline.kv_events.sink import KVEventSink
     from pipeline.request import Request
 
 __all__ = ["MultiScheduler"]
@@ -250,6 +254,12 @@ class MultiScheduler(KVConnectorScheduler):
             delay = delay or result.delay_free
             params = params if params is not None else result.kv_transfer_params
         return RequestFinishedResult(delay, params)
+
+    def set_kv_event_sink(self, sink: KVEventSink) -> None:
+        """Give ``sink`` to every tier; each reports its own blocks under its own medium
+        (two tiers of one medium would share an index entry: one per kind of tier)."""
+        for tier in self.tiers:
+            tier.set_kv_event_sink(sink)
 
     def has_pending_work(self) -> bool:
         """Whether any tier has transfers in flight (a tier that raises counts as idle)."""

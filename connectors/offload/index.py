@@ -11,12 +11,24 @@ has not come back yet) are neither loadable nor evictable, and pinned slots (bei
 loaded) are never evicted. Keys are ``(fingerprint_key, block_hash)``, so KV is never
 matched for a model it was not made by. Owned by one scheduler; not thread-safe; never
 blocks.
+
+With KV events on, :attr:`SlotIndex.kv_events` is the tier's
+:class:`~pipeline.kv_events.KVEventSink` (else ``None``, and no event is made): a key
+entering the committed state is reported stored (:meth:`~SlotIndex.commit`, that is once
+its save is confirmed), and one leaving it removed (evicted by :meth:`~SlotIndex.reserve`,
+or :meth:`~SlotIndex.discard`). Pending entries are never reported: a save that failed
+(:meth:`~SlotIndex.abort`) was never announced. So the events describe the committed
+keys exactly: with one fingerprint (one scheduler), each ``block_hash`` is stored once
+and removed once.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from pipeline.kv_events.sink import KVEventSink
 
 __all__ = ["BlockKey", "SlotIndex", "SlotUsage"]
 
@@ -39,6 +51,10 @@ class SlotIndex:
 
     Args:
         num_slots: Slots in the tier (> 0; the caller validates it).
+
+    Attributes:
+        kv_events: Where committed keys' hashes are reported as stored and removed
+            (see the module docstring); ``None`` while events are off.
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -48,6 +64,7 @@ class SlotIndex:
         self._pending: dict[BlockKey, int] = {}
         self._pins: Counter[int] = Counter()
         self._orphans: set[int] = set()  # discarded while pinned: freed on the last unpin
+        self.kv_events: KVEventSink | None = None
 
     def __len__(self) -> int:
         """Committed entries (what a lookup can find)."""
@@ -56,6 +73,11 @@ class SlotIndex:
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is committed or pending (a save of it is unnecessary)."""
         return key in self._committed or key in self._pending
+
+    def committed(self) -> list[BlockKey]:
+        """The committed keys (what the tier holds and a lookup finds), least recently
+        used first."""
+        return list(self._committed)
 
     def lookup(self, key: BlockKey) -> int | None:
         """The slot of committed ``key``, or ``None`` (pending entries are not found)."""
@@ -97,6 +119,8 @@ class SlotIndex:
             if victim is None:
                 return None
             slot = self._committed.pop(victim)
+            if self.kv_events is not None:
+                self.kv_events.removed(victim[1])
         self._pending[key] = slot
         return slot
 
@@ -105,6 +129,8 @@ class SlotIndex:
         slot = self._pending.pop(key, None)
         if slot is not None:
             self._committed[key] = slot
+            if self.kv_events is not None:
+                self.kv_events.stored_hash(key[1])
 
     def abort(self, key: BlockKey) -> None:
         """The save of ``key`` failed or never ran: its slot is free again."""
@@ -117,6 +143,8 @@ class SlotIndex:
         slot = self._committed.pop(key, None)
         if slot is None:
             return
+        if self.kv_events is not None:
+            self.kv_events.removed(key[1])
         if slot in self._pins:
             self._orphans.add(slot)
         else:

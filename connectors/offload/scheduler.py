@@ -13,6 +13,15 @@ it blocks)::
 A save is committed to the index only when its step's output comes back through
 ``update_connector_output``; a step that failed never calls it, so its saves are
 dropped when the next step is built (the engine runs one step at a time).
+
+**KV events** (:meth:`OffloadScheduler.set_kv_event_sink`, only while events are on):
+the index reports into a sink of medium ``"CPU"`` (``MEDIUM_CPU``, the medium of vLLM's
+CPU offloading tier). A hash is stored when its save is committed (the step's output
+came back without a failed save for its request) and removed when the LRU evicts it for
+another save or a failed load drops it; a failed save was never announced. Like vLLM's
+offloading connector, the tier keeps hashes, not tokens: its ``BlockStored`` events
+carry the hashes only (``token_ids`` empty, ``parent_block_hash`` ``None``, the engine's
+``block_size``).
 """
 
 from __future__ import annotations
@@ -40,10 +49,12 @@ from connectors.store.tracking import (
     new_full_blocks,
     track_scheduled,
 )
+from pipeline.kv_events.events import MEDIUM_CPU
 from pipeline.logs import get_logger
 
 if TYPE_CHECKING:
     from pipeline.artifacts import ScheduledRequest, SchedulerOutput
+    from pipeline.kv_events.sink import KVEventSink
     from pipeline.request import Request
 
 __all__ = ["OffloadScheduler"]
@@ -242,6 +253,12 @@ class OffloadScheduler(KVConnectorScheduler):
         self._matches.pop(req_id, None)
         self._unpin_async(req_id)
         return RequestFinishedResult()
+
+    def set_kv_event_sink(self, sink: KVEventSink) -> None:
+        """Report the hashes the tier commits and evicts into ``sink``, as medium
+        ``"CPU"`` (see the module docstring). An index shared by several schedulers
+        reports into the sink of the last one given."""
+        self.index.kv_events = sink.for_medium(MEDIUM_CPU)
 
     def has_pending_work(self) -> bool:
         """Whether async loads are still in flight."""

@@ -83,6 +83,7 @@ if TYPE_CHECKING:
 
     from connectors.base import KVConnectorOutput
     from pipeline.artifacts import SchedulerOutput
+    from pipeline.kv_events.sink import KVEventSink
     from pipeline.request import Request
 
 __all__ = ["FaultyConnector"]
@@ -171,6 +172,10 @@ class FaultyConnector:
             """Forward; ``corrupt`` claims pending work."""
             fault = self._faults.sync("has_pending_work")
             return self.inner.has_pending_work() or fault is not None
+
+        def set_kv_event_sink(self, sink: KVEventSink) -> None:
+            """Forward (no fault is offered: it runs once, while the engine is built)."""
+            self.inner.set_kv_event_sink(sink)
 
     class Worker(KVConnectorWorker):
         """Worker half: applies its faults, then forwards to the inner half.

@@ -120,7 +120,9 @@ class EngineCore:
         self._ids = itertools.count()
         self._closed = False
         try:  # last: nothing after it can fail and leave its thread running
-            self.kv_events = start_kv_events(config, self.scheduler.kv_cache_manager.block_pool)
+            self.kv_events = start_kv_events(
+                config, self.scheduler.kv_cache_manager.block_pool, self.connector
+            )
         except BaseException:
             self._abandon()
             raise

@@ -1,36 +1,38 @@
-"""The engine's KV event stream: the block pool's sink, one batch per step, the publisher.
+"""The engine's KV event stream: the tiers' sinks, one batch per step, the publisher.
+
+The block pool reports the device tier (medium ``"GPU"`` on every device, as vLLM's
+block pool) into the engine's sink; the connector's scheduler half gets the same sink
+through ``set_kv_event_sink`` and each of its tiers that publishes reports under its
+own medium (``offload``: ``"CPU"``, as vLLM's CPU offloading connector) into the same
+list, so a step's batch holds every tier's events in the order they happened.
 
 :func:`start_kv_events` gives ``None`` when ``EngineConfig.kv_events`` is ``None``: then
-the pool has no sink and the engine step pays one ``is not None`` test.
+neither the pool nor the connector has a sink, and the engine step pays one
+``is not None`` test.
 """
 
 from __future__ import annotations
 
-from typing import Literal, cast
-
-import torch
+from typing import TYPE_CHECKING, Literal, cast
 
 from pipeline.config import EngineConfig
-from pipeline.kv_events.events import MEDIUM_CPU, MEDIUM_GPU
+from pipeline.kv_events.events import MEDIUM_GPU
 from pipeline.kv_events.publisher import ZmqEventPublisher
 from pipeline.kv_events.sink import KVEventSink
 from stages.schedule.block_pool import BlockPool
 
-__all__ = ["KVEventStream", "device_medium", "start_kv_events"]
+if TYPE_CHECKING:
+    from connectors.base import KVConnectorScheduler
 
-
-def device_medium(device: str) -> str:
-    """The ``medium`` of the device tier: ``"CPU"`` on a CPU engine, else ``"GPU"``."""
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        return MEDIUM_CPU
-    return MEDIUM_GPU
+__all__ = ["KVEventStream", "start_kv_events"]
 
 
 class KVEventStream:
-    """Publishes the events of the pool's sink, one batch per :meth:`flush`.
+    """Publishes the events of the engine's sinks, one batch per :meth:`flush`.
 
     Args:
-        sink: The sink the block pool reports into.
+        sink: The sink the block pool reports into (the connector's tiers share its
+            list).
         publisher: Where the batches go.
     """
 
@@ -55,18 +57,25 @@ class KVEventStream:
             self.publisher.close()
 
 
-def start_kv_events(config: EngineConfig, pool: BlockPool) -> KVEventStream | None:
-    """Attach a sink to ``pool`` and start the publisher, or ``None`` when events are off.
+def start_kv_events(
+    config: EngineConfig, pool: BlockPool, connector: KVConnectorScheduler | None = None
+) -> KVEventStream | None:
+    """Attach a sink to ``pool`` and ``connector`` and start the publisher, or ``None``
+    when events are off (then neither is touched).
 
     Raises:
         InvalidConfigError: An endpoint cannot be bound or connected, or ``pyzmq`` is
             missing.
+        Exception: Whatever the connector's ``set_kv_event_sink`` raised (before the
+            publisher is started).
     """
     settings = config.kv_events
     if settings is None:
         return None
     fmt = cast(Literal["int", "bytes"], settings.hash_format)
-    sink = KVEventSink(config.block_size, device_medium(config.device), fmt)
+    sink = KVEventSink(config.block_size, MEDIUM_GPU, fmt)
+    if connector is not None:
+        connector.set_kv_event_sink(sink)
     publisher = ZmqEventPublisher(settings)
     pool.kv_events = sink
     return KVEventStream(sink, publisher)

@@ -1,9 +1,11 @@
 """KV cache events: what a replica's caches hold, published for routers (vLLM's schema).
 
-The block pool reports into a :class:`KVEventSink`; the engine publishes each step's
-events as one :class:`KVEventBatch` through a :class:`ZmqEventPublisher` (PUB socket and
-replay ROUTER socket); a router reads them with a :class:`KVEventSubscriber`, keeps a
-:class:`KVBlockIndex` per replica, and hashes prompts with :func:`prompt_block_hashes`.
+The block pool (medium ``"GPU"``) and the connector tiers that publish (``offload``:
+medium ``"CPU"``) report into :class:`KVEventSink` s sharing one list; the engine
+publishes each step's events as one :class:`KVEventBatch` through a
+:class:`ZmqEventPublisher` (PUB socket and replay ROUTER socket); a router reads them
+with a :class:`KVEventSubscriber`, keeps a :class:`KVBlockIndex` per replica, and hashes
+prompts with :func:`prompt_block_hashes`.
 The schema and wire format are described in :mod:`pipeline.kv_events.events` and
 :mod:`pipeline.kv_events.publisher`. ``pyzmq`` is needed only once a publisher or
 subscriber is made.

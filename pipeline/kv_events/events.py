@@ -33,9 +33,22 @@ the low 64 bits of the 32-byte SHA-256 digest as an unsigned int, exactly as vLL
 ``sha256_cbor`` chain from the engine's ``hash_seed``); a router recomputes them with
 :func:`pipeline.kv_events.prompt_block_hashes`.
 
+**Media.** Each event names the tier it is about, with vLLM's names: ``"GPU"``
+(:data:`MEDIUM_GPU`) for the device tier on every device, as vLLM's block pool does on
+every platform (so a CPU engine's device tier and its host-memory offload tier stay two
+media), and ``"CPU"`` (:data:`MEDIUM_CPU`) for the ``offload`` connector's tier, as
+vLLM's CPU offloading connector. A tier publishes its own adds and evictions; a block
+may be held by several tiers at once, so a router keeps one set per medium
+(:class:`~pipeline.kv_events.KVBlockIndex`). The offload tier's ``BlockStored`` events
+carry hashes only (``token_ids`` empty, ``parent_block_hash`` ``None``), as vLLM's
+offloading connector sends them.
+
 Unlike vLLM's pool, kvstep's keeps one block per hash (a second block computed for a
-cached hash stays uncached), so its events describe the set of cached hashes exactly: a
-hash is stored once and removed once.
+cached hash stays uncached), and the offload tier holds one slot per hash, so the events
+describe each tier's set of held hashes exactly: a hash is stored once and removed once
+per tier. ``AllBlocksCleared`` (sent by the device pool's ``reset_prefix_cache``, which
+the engine never calls while serving) empties every medium of a router's index, as in
+vLLM: the offload tier's hashes are then under-counted, never invented.
 """
 
 from __future__ import annotations
@@ -62,9 +75,12 @@ __all__ = [
 ]
 
 MEDIUM_GPU = "GPU"
-"""The ``medium`` of the device tier on a CUDA device (vLLM's ``MEDIUM_GPU``)."""
+"""The ``medium`` of the device tier, the block pool of the engine's own KV cache, on
+every device (CPU engines included): vLLM's block pool sends ``MEDIUM_GPU`` on every
+platform, and routers written for vLLM read it as the tier that needs no load."""
 MEDIUM_CPU = "CPU"
-"""The ``medium`` of a host-memory tier, and of the device tier of a CPU engine."""
+"""The ``medium`` of the ``offload`` connector's host-memory tier, as vLLM's CPU
+offloading connector names its tier (a block there is loaded before it is used)."""
 
 ExternalBlockHash = bytes | int
 """A block hash as it appears in an event (vLLM's ``ExternalBlockHash``)."""
@@ -111,14 +127,17 @@ class BlockStored(KVCacheEvent):
     """Full blocks entered a cache under their hashes.
 
     Attributes:
-        block_hashes: The blocks' hashes, a chain in prefix order (each block's parent is
-            the one before it).
+        block_hashes: The blocks' hashes: from the device tier a chain in prefix order
+            (each block's parent is the one before it); from the offload tier, which
+            keeps hashes only, the blocks whose saves were confirmed, in that order.
         parent_block_hash: The hash of the block before the first one (``None`` when the
-            first block starts the prompt).
-        token_ids: The blocks' tokens, ``block_size`` per block, in order.
+            first block starts the prompt, and always from the offload tier).
+        token_ids: The blocks' tokens, ``block_size`` per block, in order (empty from
+            the offload tier, as from vLLM's offloading connector).
         block_size: Tokens per block.
         lora_id: Always ``None`` (kvstep serves no LoRA adapters).
-        medium: The cache tier that holds them (``"GPU"``, ``"CPU"``, ...).
+        medium: The cache tier that holds them (``"GPU"``: the device tier, ``"CPU"``:
+            the offload tier).
         lora_name: Always ``None``.
     """
 

@@ -1,9 +1,13 @@
 """``KVEventSink``: where a cache tier writes its events until the step's batch is made.
 
-The block pool holds a sink only while events are on (``BlockPool.kv_events``, else
-``None``: then no event object is ever made). The pool calls :meth:`stored`,
-:meth:`removed` and :meth:`cleared` with its 32-byte digests; the sink turns them into
-events in the wire's hash format, and :meth:`take` hands the step's events over.
+A sink is made only while events are on: the block pool holds one
+(``BlockPool.kv_events``, else ``None``: then no event object is ever made), and a
+connector tier that publishes gets one through ``set_kv_event_sink`` and derives its own
+with :meth:`KVEventSink.for_medium`. The sinks of one engine share one list, so the
+step's events keep the order in which they happened across tiers. The tiers call
+:meth:`stored`, :meth:`stored_hash`, :meth:`removed` and :meth:`cleared` with their
+32-byte digests; the sink turns them into events in the wire's hash format, and
+:meth:`take` hands the step's events over.
 
 Plain synchronous code on the engine's thread (the scheduler's); not thread-safe.
 """
@@ -32,17 +36,29 @@ class KVEventSink:
         medium: The tier's ``medium`` (``"GPU"``, ``"CPU"``, ...).
         hash_format: How hashes appear in events (see
             :func:`~pipeline.kv_events.events.external_block_hash`).
+        events: The list to append to (shared with other tiers' sinks, see
+            :meth:`for_medium`); a new one by default.
     """
 
     __slots__ = ("_hash_format", "block_size", "events", "medium")
 
     def __init__(
-        self, block_size: int, medium: str, hash_format: Literal["int", "bytes"] = "int"
+        self,
+        block_size: int,
+        medium: str,
+        hash_format: Literal["int", "bytes"] = "int",
+        events: list[KVEvent] | None = None,
     ) -> None:
         self.block_size = block_size
         self.medium = medium
         self._hash_format: Literal["int", "bytes"] = hash_format
-        self.events: list[KVEvent] = []
+        self.events: list[KVEvent] = [] if events is None else events
+
+    def for_medium(self, medium: str) -> KVEventSink:
+        """A sink for another tier (``medium``, same block size and hash format) that
+        appends to this sink's list: one :meth:`take` on either hands over both tiers'
+        events, in the order they happened."""
+        return KVEventSink(self.block_size, medium, self._hash_format, self.events)
 
     def stored(
         self, digests: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int]
@@ -61,22 +77,52 @@ class KVEventSink:
             )
         )
 
-    def removed(self, digest: bytes) -> None:
-        """The hash ``digest`` left the cache. Consecutive removals share one event."""
+    def stored_hash(self, digest: bytes) -> None:
+        """The block ``digest`` entered a tier that keeps hashes, not tokens: a
+        ``BlockStored`` with no ``token_ids`` and no ``parent_block_hash``, as vLLM's
+        offloading connector sends. Consecutive calls of one medium share one event."""
         value = external_block_hash(digest, self._hash_format)
         events = self.events
-        if events and type(events[-1]) is BlockRemoved:
+        if events:
             last = events[-1]
-            assert isinstance(last, BlockRemoved)
-            last.block_hashes.append(value)
-        else:
-            events.append(BlockRemoved(block_hashes=[value], medium=self.medium))
+            if (
+                type(last) is BlockStored
+                and last.medium == self.medium
+                and last.parent_block_hash is None
+                and not last.token_ids
+            ):
+                last.block_hashes.append(value)
+                return
+        events.append(
+            BlockStored(
+                block_hashes=[value],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=self.block_size,
+                lora_id=None,
+                medium=self.medium,
+            )
+        )
+
+    def removed(self, digest: bytes) -> None:
+        """The hash ``digest`` left the cache. Consecutive removals of one medium share
+        one event."""
+        value = external_block_hash(digest, self._hash_format)
+        events = self.events
+        if events:
+            last = events[-1]
+            if type(last) is BlockRemoved and last.medium == self.medium:
+                last.block_hashes.append(value)
+                return
+        events.append(BlockRemoved(block_hashes=[value], medium=self.medium))
 
     def cleared(self) -> None:
         """Every hash left the cache."""
         self.events.append(AllBlocksCleared())
 
     def take(self) -> list[KVEvent]:
-        """The events since the last call (oldest first); the sink starts empty again."""
-        events, self.events = self.events, []
+        """The events since the last call, of every sink sharing the list (oldest
+        first); the list is emptied in place."""
+        events = self.events[:]
+        self.events.clear()
         return events

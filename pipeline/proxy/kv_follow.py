@@ -25,6 +25,7 @@ import httpx
 
 from pipeline.errors import TransportError
 from pipeline.kv_events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -42,6 +43,7 @@ _POLL_S = 0.2  # one blocking poll on the worker thread
 _REPLAY_S = 2.0  # the longest a replay may take
 _RETRY_S = 1.0  # between two attempts to find or subscribe to a replica's events
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+_DEVICE = (MEDIUM_GPU, None)  # the media the index follows
 
 
 class EventSource:
@@ -89,12 +91,15 @@ async def discover(client: httpx.AsyncClient, url: str, timeout_s: float) -> Eve
 
 
 def apply_batches(index: PrefixIndex, url: str, batches: Sequence[SequencedBatch]) -> None:
-    """Apply ``batches`` (in sequence order) of replica ``url`` to ``index``."""
+    """Apply ``batches`` (in sequence order) of replica ``url`` to ``index``: the device
+    tier's blocks (medium ``GPU``, or none named), what a request reuses at no cost; a
+    connector tier's (``CPU``, ...) would have to be loaded first, and its removals
+    must not clear what the device tier still holds."""
     for item in batches:
         for event in item.batch.events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, BlockStored) and event.medium in _DEVICE:
                 index.stored(url, event.block_hashes)
-            elif isinstance(event, BlockRemoved):
+            elif isinstance(event, BlockRemoved) and event.medium in _DEVICE:
                 index.removed(url, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 index.cleared(url)

@@ -1,9 +1,11 @@
-"""Shared by the KV event tests: a subscriber drained up to the publisher's last batch."""
+"""Shared by the KV event tests: a subscriber drained up to the publisher's last batch,
+and one request run (optionally aborted) on an engine."""
 
 from __future__ import annotations
 
 import time
 
+from pipeline import AsyncEngine, SamplingParams
 from pipeline.kv_events import KVBlockIndex, KVEvent, KVEventSubscriber, ZmqEventPublisher
 
 DRAIN_LIMIT_S = 30.0  # a bound on a hang, never a timing assertion
@@ -23,3 +25,18 @@ def drain(sub: KVEventSubscriber, pub: ZmqEventPublisher, index: KVBlockIndex) -
             index.apply(item.batch)
             events.extend(item.batch.events)
     return events
+
+
+async def run_request(
+    engine: AsyncEngine, prompt: list[int], max_tokens: int, abort: int | None
+) -> None:
+    """Generate greedily; with ``abort``, leave the stream after ``abort + 1`` outputs."""
+    stream = engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    seen = 0
+    try:
+        async for _ in stream:
+            seen += 1
+            if abort is not None and seen > abort:
+                break
+    finally:
+        await stream.aclose()

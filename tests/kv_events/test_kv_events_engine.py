@@ -11,7 +11,7 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kv_events_helpers import DRAIN_LIMIT_S, drain
+from kv_events_helpers import DRAIN_LIMIT_S, drain, run_request
 
 from pipeline import LLM, AsyncEngine, EngineConfig, SamplingParams
 from pipeline.kv_events import (
@@ -55,18 +55,6 @@ request_st = st.tuples(
 )
 
 
-async def _run_request(engine: AsyncEngine, prompt: list[int], max_tokens: int, abort: int | None):
-    stream = engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    seen = 0
-    try:
-        async for _ in stream:
-            seen += 1
-            if abort is not None and seen > abort:
-                break
-    finally:
-        await stream.aclose()
-
-
 class TestExactness:
     # No shrinking: every example runs an engine, and a failing one is reported as found.
     @settings(
@@ -95,11 +83,11 @@ class TestExactness:
                     async with anyio.create_task_group() as tg:
                         for which, keep, suffix, max_tokens, abort in wave:
                             prompt = PREFIXES[which][:keep] + suffix
-                            tg.start_soon(_run_request, engine, prompt, max_tokens, abort)
+                            tg.start_soon(run_request, engine, prompt, max_tokens, abort)
                     drain(live, pub, index)
                 expected = _cached(engine)
-                assert index.by_medium.keys() <= {"CPU"}
-                assert index.hashes("CPU") == expected
+                assert index.by_medium.keys() <= {"GPU"}
+                assert index.hashes("GPU") == expected
                 assert live.gaps == [] and live.rejected == 0
 
                 late = KVEventSubscriber(
@@ -111,7 +99,7 @@ class TestExactness:
                         replayed.apply(item.batch)
                     assert late.gaps == []
                     assert late.next_seq == pub.next_seq
-                assert replayed.hashes("CPU") == expected
+                assert replayed.hashes("GPU") == expected
         finally:
             live.close()
 
@@ -125,11 +113,11 @@ class TestExactness:
         with KVEventSubscriber(config.kv_events.endpoint, config.kv_events.replay_endpoint) as sub:
             async with AsyncEngine(config) as engine:
                 pub = engine.core.kv_events.publisher
-                await _run_request(engine, PREFIXES[0] + [30], 2, 0)  # aborted after 1 output
+                await run_request(engine, PREFIXES[0] + [30], 2, 0)  # aborted after 1 output
                 for i in range(5):
-                    await _run_request(engine, [40 + i] * 20, 2, None)
+                    await run_request(engine, [40 + i] * 20, 2, None)
                 events = drain(sub, pub, index)
-                assert index.hashes("CPU") == _cached(engine)
+                assert index.hashes("GPU") == _cached(engine)
         kinds = {type(e).__name__ for e in events}
         assert kinds == {"BlockStored", "BlockRemoved"}
 
@@ -138,7 +126,7 @@ class TestLateSubscriber:
     async def _workload(self, engine: AsyncEngine) -> None:
         for i in range(4):
             prompt = PREFIXES[i % 2] + [20 + i] * 5
-            await _run_request(engine, prompt, 3, None)
+            await run_request(engine, prompt, 3, None)
 
     @pytest.mark.anyio
     async def test_gap_beyond_the_buffer_is_reported(self, tmp_path: Path) -> None:

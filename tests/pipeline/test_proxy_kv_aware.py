@@ -43,7 +43,7 @@ PROMPT = list(range(100, 117))  # 4 full blocks and a partial one
 def stored(tokens: list[int]) -> BlockStored:
     hashes = prompt_block_hashes(tokens, BS, hash_seed=SEED)
     usable = tokens[: len(hashes) * BS]
-    return BlockStored(hashes, None, usable, BS, None, "CPU")
+    return BlockStored(hashes, None, usable, BS, None, "GPU")
 
 
 class Replica(Fake):
@@ -133,12 +133,15 @@ class TestRouting:
 
     def test_removed_and_cleared_blocks_stop_attracting(self, cluster: Cluster) -> None:
         """Without its first block a replica holds no prefix of the prompt, whatever it
-        holds of the rest: the prompt is spread again. AllBlocksCleared empties it."""
+        holds of the rest: the prompt is spread again. Another tier's events (medium CPU)
+        change nothing. AllBlocksCleared empties it."""
         publisher = cluster.replicas[1].publisher
         publisher.publish([stored(PROMPT)])
         _wait(lambda: cluster.held(1) == 4)
         hashes = prompt_block_hashes(PROMPT, BS, hash_seed=SEED)
-        publisher.publish([BlockRemoved(hashes[:1], "CPU")])  # the first block: no prefix
+        publisher.publish([BlockRemoved(hashes[:1], "CPU")])  # another tier's: no change
+        publisher.publish([BlockStored(hashes, None, [], BS, None, "CPU")])
+        publisher.publish([BlockRemoved(hashes[:1], "GPU")])  # the first block: no prefix
         _wait(lambda: cluster.held(1) == 3)
         assert {cluster.post(PROMPT) for _ in range(3)} == {"r0", "r1", "r2"}
         publisher.publish([stored(PROMPT), AllBlocksCleared()])
