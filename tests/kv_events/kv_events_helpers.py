@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+from hypothesis import strategies as st
+
 from pipeline import AsyncEngine, SamplingParams
 from pipeline.kv_events import KVBlockIndex, KVEvent, KVEventSubscriber, ZmqEventPublisher
 
@@ -40,3 +42,19 @@ async def run_request(
                 break
     finally:
         await stream.aclose()
+
+
+#: Two shared prompt prefixes the random workloads draw from.
+PREFIXES = ([7, 3, 9, 1, 4, 4, 2, 8, 6, 5, 1, 3, 9, 9, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18])
+
+
+def requests(max_tokens: int, abort_after: int) -> st.SearchStrategy[tuple]:
+    """One request of a random workload: (prefix index, prefix tokens kept, own suffix,
+    max_tokens, abort after this many outputs or None)."""
+    return st.tuples(
+        st.sampled_from(range(len(PREFIXES))),
+        st.integers(0, 16),
+        st.lists(st.integers(20, 40), min_size=1, max_size=6),
+        st.integers(1, max_tokens),
+        st.none() | st.integers(0, abort_after),
+    )

@@ -11,7 +11,7 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kv_events_helpers import DRAIN_LIMIT_S, drain, run_request
+from kv_events_helpers import DRAIN_LIMIT_S, PREFIXES, drain, requests, run_request
 
 from pipeline import LLM, AsyncEngine, EngineConfig, SamplingParams
 from pipeline.kv_events import (
@@ -23,7 +23,6 @@ from pipeline.kv_events import (
 )
 
 BLOCK = 4
-PREFIXES = ([7, 3, 9, 1, 4, 4, 2, 8, 6, 5, 1, 3, 9, 9, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18])
 
 
 def _config(directory: str, **events: object) -> EngineConfig:
@@ -46,13 +45,7 @@ def _cached(engine: AsyncEngine) -> set[int]:
     }
 
 
-request_st = st.tuples(
-    st.sampled_from(range(len(PREFIXES))),
-    st.integers(0, 16),  # prefix tokens kept
-    st.lists(st.integers(20, 40), min_size=1, max_size=6),  # own suffix
-    st.integers(1, 6),  # max_tokens
-    st.none() | st.integers(0, 3),  # abort after this many outputs
-)
+request_st = requests(max_tokens=6, abort_after=3)
 
 
 class TestExactness:

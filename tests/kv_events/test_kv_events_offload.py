@@ -11,7 +11,7 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kv_events_helpers import drain, run_request
+from kv_events_helpers import PREFIXES, drain, requests, run_request
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.multi import MultiScheduler
@@ -32,7 +32,6 @@ from pipeline.kv_events import (
 )
 
 BLOCK = 4
-PREFIXES = ([7, 3, 9, 1, 4, 4, 2, 8, 6, 5, 1, 3, 9, 9, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18])
 FP = ModelFingerprint(architecture="Llama", weights_id="w", dtype="float32", block_size=BLOCK)
 OFFLOAD = {"connector": "offload", "options": {"num_blocks": 6}}
 
@@ -219,13 +218,7 @@ class TestHook:
         assert sink.take() == []
 
 
-request_st = st.tuples(
-    st.sampled_from(range(len(PREFIXES))),
-    st.integers(0, 16),  # prefix tokens kept
-    st.lists(st.integers(20, 40), min_size=1, max_size=6),  # own suffix
-    st.integers(1, 5),  # max_tokens
-    st.none() | st.integers(0, 2),  # abort after this many outputs
-)
+request_st = requests(max_tokens=5, abort_after=2)
 
 
 class TestExactness:
