@@ -15,11 +15,13 @@ replica will refuse anyway) is routed by load alone.
 
 Text prompts are tokenized with the model's own tokenizer (``tokenizer.json``) and chat
 messages rendered with its chat template first, as ``kvstep serve`` does; a long text is
-encoded on a worker thread, so the event loop never waits on it.
+encoded, and a long prompt hashed, on a worker thread, so the event loop never waits on
+them.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -37,6 +39,7 @@ from pipeline.server.prompt import INLINE_ENCODE_BYTES
 __all__ = ["KVAwareRouter"]
 
 _MAX_PROMPT_IDS = 1 << 20  # a token-id prompt longer than this is not hashed
+_INLINE_HASH_TOKENS = 256  # longer prompts are hashed on a worker thread (~30 us a block)
 
 
 class KVAwareRouter:
@@ -87,9 +90,16 @@ class KVAwareRouter:
         token_ids = await self._token_ids(path, body)
         if token_ids is None:
             return []
-        return prompt_block_hashes(
-            token_ids, self.block_size, hash_seed=self._hash_seed, hash_format=self.hash_format
+        hashes = functools.partial(
+            prompt_block_hashes,
+            token_ids,
+            self.block_size,
+            hash_seed=self._hash_seed,
+            hash_format=self.hash_format,
         )
+        if len(token_ids) <= _INLINE_HASH_TOKENS:
+            return hashes()
+        return await anyio.to_thread.run_sync(hashes, limiter=self.limiter)
 
     def choose(self, candidates: Sequence[Backend], hashes: Sequence[ExternalBlockHash]) -> Backend:
         """The candidate of least cost (``candidates`` in the pool's turn order, not

@@ -208,6 +208,9 @@ class TestRouter:
         assert await router.prompt_hashes("/v1/completions", {"prompt": [text, "x"]}) == got
         ids = await router.prompt_hashes("/v1/completions", {"prompt": [PROMPT, [1]]})
         assert ids == prompt_block_hashes(PROMPT, BS, hash_seed=SEED)
+        long = list(range(3, 1003))  # hashed on a worker thread
+        ids = await router.prompt_hashes("/v1/completions", {"prompt": long})
+        assert ids == prompt_block_hashes(long, BS, hash_seed=SEED) and len(ids) == 250
         messages = [{"role": "user", "content": text}]
         from pipeline.server.chat_template import render_chat
 
