@@ -64,8 +64,10 @@ class Cluster:
         self.logs = logs
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.urls: dict[str, str] = {}
+        self.commands: dict[str, tuple[str, ...]] = {}
 
     def start(self, name: str, command: str, *flags: str) -> None:
+        self.commands[name] = (command, *flags)
         port = free_port()
         argv = [sys.executable, "-m", "pipeline.cli", command, "--host", "127.0.0.1"]
         # One thread of torch each: the processes share this machine's cores.
@@ -81,10 +83,17 @@ class Cluster:
         return (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
 
     def wait_healthy(self, names: Sequence[str], timeout_s: float = 180.0) -> None:
+        """Wait for each process's ``/health``; one whose free port was taken meanwhile
+        (by another process on this machine) is started again on a new one."""
         deadline = time.monotonic() + timeout_s
         for name in names:
+            retries = 3
             while True:
                 if self.processes[name].poll() is not None:
+                    if retries and "address already in use" in self.log(name).lower():
+                        retries -= 1
+                        self.start(name, *self.commands[name])
+                        continue
                     raise RuntimeError(f"{name} exited: {self.log(name)}")
                 with contextlib.suppress(httpx.TransportError):
                     if httpx.get(f"{self.urls[name]}/health", timeout=5).status_code == 200:
@@ -130,10 +139,11 @@ def cluster(
             procs.start("reference", "serve", *serve)
         else:
             procs.urls["reference"] = reference
+        procs.wait_healthy(list(procs.processes))  # their URLs are final from here on
         procs.start("proxy", "proxy", "--prefill", procs.urls["producer"],
                     "--decode", procs.urls["consumer"], "--health-interval", "0.5")  # fmt: skip
         # The proxy's /health is 200 once it has seen both of its backends healthy.
-        procs.wait_healthy(list(procs.processes))
+        procs.wait_healthy(["proxy"])
         yield procs
     finally:
         procs.stop()

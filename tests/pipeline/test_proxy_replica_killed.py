@@ -132,7 +132,8 @@ def test_a_killed_replica_fails_only_what_was_in_flight_on_it(tmp_path: Path) ->
     other two), and the only failures are requests that were open on the dead one."""
     rng = random.Random(0)
     records: list[Sent] = []
-    killed_at: list[float] = []
+    killed_at: list[float] = []  # when the victim was reaped
+    signalled: list[float] = []  # when SIGKILL was sent
     with cluster(tmp_path) as (proxy, replicas):
         prefixes = seed_tenants(proxy, replicas, rng)
 
@@ -150,6 +151,7 @@ def test_a_killed_replica_fails_only_what_was_in_flight_on_it(tmp_path: Path) ->
                 if any(r.tenant == VICTIM and not r.ended and now - r.sent > 0.05 for r in records):
                     break
                 await anyio.sleep(0.01)
+            signalled.append(time.perf_counter())
             replicas[VICTIM].process.kill()
             # dead from here on: a request that reached it while it was dying was in
             # flight on it
@@ -174,7 +176,10 @@ def test_a_killed_replica_fails_only_what_was_in_flight_on_it(tmp_path: Path) ->
         metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
 
     kill = killed_at[0]
-    in_flight = [r for r in records if r.tenant == VICTIM and r.sent < kill < r.ended]
+    # open on the victim while it died: sent before it was reaped, ended after the signal
+    in_flight = [
+        r for r in records if r.tenant == VICTIM and r.sent < kill and r.ended > signalled[0]
+    ]
     failed = [r for r in records if r.error is not None]
     after = [r for r in records if r.sent > kill]
     assert in_flight, "the kill found nothing open on the victim"
