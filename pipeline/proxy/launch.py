@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from typing import Any
 
@@ -37,7 +36,7 @@ def serve_proxy(
     """
     import uvicorn
 
-    from pipeline.server.protocol import header_timeout_protocol
+    from pipeline.server.protocol import run_uvicorn
 
     options = options or ServerOptions()
 
@@ -49,24 +48,7 @@ def serve_proxy(
                 shown = f"[{host}]" if ":" in host else host
                 _log.info(f"proxy listening on http://{shown}:{bound[0] if bound else port}")
 
-    server = Server(
-        uvicorn.Config(
-            create_proxy_app(proxy, options),
-            host=host,
-            port=port,
-            log_level="warning",
-            access_log=access_log,
-            lifespan="on",
-            http=header_timeout_protocol(options.header_timeout_s),
-            timeout_keep_alive=max(1, round(options.timeout_keep_alive_s)),
-            limit_concurrency=options.limit_concurrency,
-        )
-    )
-    if access_log:
-        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-    server.run()
-    if not server.started:
-        raise SystemExit(3)
+    run_uvicorn(create_proxy_app(proxy, options), host, port, options, access_log, Server)
 
 
 def add_proxy_flags(parser: argparse.ArgumentParser) -> None:

@@ -38,30 +38,12 @@ def serve(
     Raises:
         SystemExit: The server did not start (e.g. the port is in use; uvicorn logs why).
     """
-    import uvicorn
 
-    from pipeline.server.protocol import header_timeout_protocol
+    from pipeline.server.protocol import run_uvicorn
 
     options = options or ServerOptions()
     app = create_app(config, freeze_gc=True, options=options)
-    server = _server_class()(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level="warning",
-            access_log=access_log,
-            lifespan="on",
-            http=header_timeout_protocol(options.header_timeout_s),
-            timeout_keep_alive=max(1, round(options.timeout_keep_alive_s)),
-            limit_concurrency=options.limit_concurrency,
-        )
-    )
-    if access_log:
-        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-    server.run()
-    if not server.started:
-        raise SystemExit(3)  # uvicorn's STARTUP_FAILURE, as uvicorn.run exits
+    run_uvicorn(app, host, port, options, access_log, _server_class())
 
 
 def _server_class() -> type:

@@ -11,14 +11,18 @@ has the whole request line and headers; if the timer fires, the connection is cl
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pipeline.logs import get_logger
 
-__all__ = ["header_timeout_protocol"]
+if TYPE_CHECKING:
+    from pipeline.server.options import ServerOptions
+
+__all__ = ["header_timeout_protocol", "run_uvicorn"]
 
 _log = get_logger()
 
@@ -62,3 +66,39 @@ def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
                 self.transport.close()
 
     return HeaderTimeoutH11Protocol
+
+
+def run_uvicorn(
+    app: Any,
+    host: str,
+    port: int,
+    options: ServerOptions,
+    access_log: bool,
+    server_class: type[Any],
+) -> None:
+    """Serve ``app`` with ``server_class`` (a ``uvicorn.Server``) under ``options``'
+    guards (header deadline, keep-alive, concurrency limit) until it exits.
+
+    Raises:
+        SystemExit: 3 when the server did not start (uvicorn's STARTUP_FAILURE).
+    """
+    import uvicorn
+
+    server = server_class(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=access_log,
+            lifespan="on",
+            http=header_timeout_protocol(options.header_timeout_s),
+            timeout_keep_alive=max(1, round(options.timeout_keep_alive_s)),
+            limit_concurrency=options.limit_concurrency,
+        )
+    )
+    if access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    server.run()
+    if not server.started:
+        raise SystemExit(3)
