@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import anyio
@@ -20,13 +20,13 @@ from connectors.registry import create_connector, get_connector
 from pipeline.artifacts import EngineStepOutput, SchedulerOutput
 from pipeline.checks import check_float
 from pipeline.config import EngineConfig, SamplingParams
+from pipeline.engine.admission import check_params, check_prompt
 from pipeline.engine.kv_events import start_kv_events
 from pipeline.engine.output_text import OutputText
 from pipeline.engine.step_record import record_engine_step
 from pipeline.errors import EngineDeadError, InvalidRequestError, StepCancelledError
 from pipeline.executors.backends import start_executor
 from pipeline.executors.protocol import Executor
-from pipeline.executors.wire_checks import check_sendable
 from pipeline.executors.worker import Worker
 from pipeline.executors.worker_factory import GraphArg, apply_graph, connector_context
 from pipeline.kernel.context import StepContext
@@ -144,53 +144,21 @@ class EngineCore:
         return f"req-{next(self._ids)}"
 
     def validate_prompt(self, prompt: object) -> list[int]:
-        """Return the prompt as token ids, or raise ``InvalidRequestError`` naming it."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "prompt",
-                    prompt[:40],
-                    "text prompts need a tokenizer.json in the model directory; pass token ids",
-                )
-            prompt = self.tokenizer.encode(prompt)
-        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
-            raise InvalidRequestError("prompt", prompt, "must be a list of token ids")
-        if len(prompt) == 0:
-            raise InvalidRequestError("prompt", prompt, "must hold at least one token id")
-        vocab = self.model_config.vocab_size
-        for tok in prompt:
-            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
-                raise InvalidRequestError("token id", tok, f"must be an integer in [0, {vocab})")
-        limit = min(self.config.max_model_len, self.scheduler.num_blocks * self.config.block_size)
-        if len(prompt) >= limit:
-            raise InvalidRequestError(
-                "prompt length",
-                len(prompt),
-                f"must be shorter than max_model_len={self.config.max_model_len}"
-                + (
-                    f" and the KV cache's {limit} tokens"
-                    if limit < self.config.max_model_len
-                    else ""
-                ),
-            )
-        return list(prompt)
+        """Return the prompt as token ids, or raise ``InvalidRequestError`` naming it
+        (:func:`~pipeline.engine.admission.check_prompt`)."""
+        cache_tokens = self.scheduler.num_blocks * self.config.block_size
+        return check_prompt(
+            prompt,
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.config.max_model_len,
+            cache_tokens,
+        )
 
     def validate_params(self, params: object) -> SamplingParams:
-        """Return ``params`` if the workers will accept it, or raise ``InvalidRequestError``.
-
-        ``SamplingParams`` checks its fields at construction; this also refuses what is
-        not one, or one altered since, so that an admitted request always crosses the wire,
-        and a ``logit_bias`` naming a token outside the model's vocabulary, and
-        ``stop`` strings when the engine has no tokenizer.
-        """
-        checked = self.output_text.check(check_sendable(params))
-        vocab = self.model_config.vocab_size
-        for tok, _ in checked.logit_bias:
-            if tok >= vocab:
-                raise InvalidRequestError(
-                    "logit_bias", tok, f"token ids must be in [0, vocab_size={vocab})"
-                )
-        return checked
+        """Return ``params`` if the workers will accept it, or raise
+        ``InvalidRequestError`` (:func:`~pipeline.engine.admission.check_params`)."""
+        return check_params(params, self.output_text, self.model_config.vocab_size)
 
     def add_request(
         self,

@@ -1,0 +1,70 @@
+"""What a request must pass before the engine admits it: its prompt and its parameters.
+
+Both checks run in the caller's task, before anything reaches the scheduler, and name
+the bad value and what is allowed (:class:`~pipeline.errors.InvalidRequestError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.config import SamplingParams
+from pipeline.engine.output_text import OutputText
+from pipeline.errors import InvalidRequestError
+from pipeline.executors.wire_checks import check_sendable
+
+__all__ = ["check_params", "check_prompt"]
+
+
+def check_prompt(
+    prompt: object, tokenizer: Any, vocab_size: int, max_model_len: int, cache_tokens: int
+) -> list[int]:
+    """Return ``prompt`` as token ids (text is encoded with ``tokenizer``).
+
+    Raises:
+        InvalidRequestError: text without a tokenizer; not a non-empty sequence of token
+            ids in ``[0, vocab_size)`` (a bool is not a token id); as long as
+            ``max_model_len`` or the KV cache's ``cache_tokens``, or longer.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "prompt",
+                prompt[:40],
+                "text prompts need a tokenizer.json in the model directory; pass token ids",
+            )
+        prompt = tokenizer.encode(prompt)
+    if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+        raise InvalidRequestError("prompt", prompt, "must be a list of token ids")
+    if len(prompt) == 0:
+        raise InvalidRequestError("prompt", prompt, "must hold at least one token id")
+    for tok in prompt:
+        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab_size:
+            raise InvalidRequestError("token id", tok, f"must be an integer in [0, {vocab_size})")
+    limit = min(max_model_len, cache_tokens)
+    if len(prompt) >= limit:
+        cache = f" and the KV cache's {limit} tokens" if limit < max_model_len else ""
+        allowed = f"must be shorter than max_model_len={max_model_len}{cache}"
+        raise InvalidRequestError("prompt length", len(prompt), allowed)
+    return list(prompt)
+
+
+def check_params(params: object, output_text: OutputText, vocab_size: int) -> SamplingParams:
+    """Return ``params`` if the workers will accept it.
+
+    ``SamplingParams`` checks its fields at construction; this also refuses what is not
+    one, or one altered since (an admitted request always crosses the wire), a
+    ``logit_bias`` naming a token outside the vocabulary, and ``stop`` strings without a
+    tokenizer (``output_text``).
+
+    Raises:
+        InvalidRequestError: naming the field.
+    """
+    checked = output_text.check(check_sendable(params))
+    for tok, _ in checked.logit_bias:
+        if tok >= vocab_size:
+            raise InvalidRequestError(
+                "logit_bias", tok, f"token ids must be in [0, vocab_size={vocab_size})"
+            )
+    return checked
