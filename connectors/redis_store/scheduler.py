@@ -11,6 +11,16 @@ Saves are the blocks that become full in a step, minus those this half recently 
 the store (a bounded, expiring cache that only saves bandwidth: a block missing after
 all is a load error, and the scheduler recomputes it). The per-step flow is
 :class:`StoreScheduler`'s.
+
+**KV events**: medium ``"REDIS"`` (:data:`MEDIUM_REDIS`; what is reported:
+:class:`~connectors.store.events.StoreEvents`). The engine never deletes a key, and
+Redis tells no client when a key expires (``ttl_s``) or is evicted (``maxmemory``)
+unless keyspace notifications are configured on the server, which kvstep does not
+require: such a loss is reported only when this engine observes it, as a probe's miss
+of the hash (a request asking for it) or a failed load whose key is then found missing.
+Until then the hash stays announced (a router may send a request that then recomputes
+it). With ``ttl_s=None`` and no ``maxmemory`` eviction, the events equal the keys this
+engine wrote or found. A lookup that fails (server down) removes nothing.
 """
 
 from __future__ import annotations
@@ -20,40 +30,37 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar
 
-import attrs
 import redis
 
-from connectors.base import ConnectorContext, KVConnectorOutput
-from connectors.redis_store.metadata import BlockTransfer, RedisMetadata
+from connectors.base import ConnectorContext
+from connectors.redis_store.metadata import RedisMetadata
 from connectors.redis_store.options import RedisOptions
 from connectors.redis_store.store import RateLimitedLog, RedisStore, store_key
 from connectors.store.metadata import StoreMetadata
 from connectors.store.scheduler import StoreScheduler
 from connectors.store.tracking import leading_run
+from pipeline.kv_events.events import MEDIUM_REDIS
 
-__all__ = ["RedisScheduler"]
+__all__ = ["MEDIUM_REDIS", "RedisScheduler"]
+
 
 _KNOWN_CAPACITY = 1 << 16  # hashes remembered as stored
 _KNOWN_HORIZON_S = 300.0  # how long a remembered hash is trusted (half the TTL if less)
-
-
-@attrs.define
-class _BuiltStep:
-    load_hashes: dict[int, bytes] = attrs.Factory(dict)  # block id -> hash, its loads
-    pending: dict[str, list[bytes]] = attrs.Factory(dict)  # its saves, per request
 
 
 class RedisScheduler(StoreScheduler):
     """Asks the store what it holds and plans each step's loads and saves.
 
     Every method runs on the event loop thread; only ``get_num_new_matched_tokens``
-    does I/O, bounded by ``timeout_s``.
+    does I/O (and, with KV events on, ``update_connector_output`` after a failed load),
+    bounded by ``timeout_s``.
 
     Raises:
         InvalidConfigError: Bad options, or no fingerprint in ``context``.
     """
 
     name: ClassVar[str] = "redis"
+    medium: ClassVar[str] = MEDIUM_REDIS
     metadata_type: ClassVar[type[StoreMetadata]] = RedisMetadata
 
     def __init__(self, context: ConnectorContext) -> None:
@@ -64,7 +71,6 @@ class RedisScheduler(StoreScheduler):
         ttl = self.options.ttl_s
         self._horizon = _KNOWN_HORIZON_S if ttl is None else min(_KNOWN_HORIZON_S, ttl / 2)
         self._known: OrderedDict[bytes, float] = OrderedDict()
-        self._built: _BuiltStep | None = None
         self._warn = RateLimitedLog()
 
     # ------------------------------------------------------------------ the cache
@@ -88,15 +94,16 @@ class RedisScheduler(StoreScheduler):
 
     def probe(self, hashes: tuple[bytes, ...]) -> Sequence[bool]:
         """One pipelined ``EXISTS`` of every rank's key of ``hashes``; blocks for at most
-        ``timeout_s``; a server error is all misses, logged. Remembers the matched run
-        as stored and forgets the hashes found missing."""
+        ``timeout_s``; a server error is no answer (an empty list: a miss that says
+        nothing about the store), logged. Remembers the matched run as stored and
+        forgets the hashes found missing."""
         prefix, fps = self.options.key_prefix, self.fingerprint_keys
         keys = [store_key(prefix, fp, h) for h in hashes for fp in fps]
         try:
             found = self.store.exists_many(keys)
         except redis.RedisError as exc:
             self._warn.warning("redis: lookup failed, treated as a miss", error=repr(exc))
-            return [False] * len(hashes)
+            return []
         stored = [all(found[n * len(fps) : (n + 1) * len(fps)]) for n in range(len(hashes))]
         for block_hash, here in zip(hashes, stored, strict=True):
             if not here:  # expired, evicted, or the server restarted empty: save it again
@@ -105,29 +112,14 @@ class RedisScheduler(StoreScheduler):
             self._remember(block_hash)
         return stored
 
-    def begin_build(self, loads: list[BlockTransfer]) -> None:
-        """Start the step's record; a previous step that never came back: its saves are
-        dropped (never remembered as stored)."""
-        self._built = _BuiltStep(load_hashes={t.block_id: t.block_hash for t in loads})
-
     def wants_save(self, req_id: str, block_hash: bytes) -> bool:
-        """Every block not known to be stored; recorded as pending until the output."""
-        if self._is_known(block_hash) or self._built is None:
-            return False
-        self._built.pending.setdefault(req_id, []).append(block_hash)
-        return True
+        """Every block not known to be stored."""
+        return not self._is_known(block_hash)
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Remember the step's saved hashes (not those of failed saves); forget hashes
-        whose load failed, so their recomputed blocks are written again."""
-        built, self._built = self._built, None
-        if built is None:
-            return
-        for req_id, hashes in built.pending.items():
-            if req_id not in output.failed_save_req_ids:
-                for block_hash in hashes:
-                    self._remember(block_hash)
-        for block_id in output.invalid_block_ids:
-            lost = built.load_hashes.get(block_id)
-            if lost is not None:
-                self._known.pop(lost, None)
+    def settle(self, landed: list[bytes], lost: list[bytes]) -> None:
+        """Remember the step's landed hashes as stored; forget hashes whose load
+        failed, so their recomputed blocks are written again."""
+        for block_hash in landed:
+            self._remember(block_hash)
+        for block_hash in lost:
+            self._known.pop(block_hash, None)

@@ -48,12 +48,14 @@ from connectors.shared_storage.naming import (
 from pipeline.errors import InvalidConfigError
 from pipeline.logs import get_logger
 
-__all__ = ["SUFFIX", "DiskStore", "write_atomic"]
+__all__ = ["LOW_WATER", "SUFFIX", "DiskStore", "write_atomic"]
 
 log = get_logger()
 
 _HEX = re.compile(r"[0-9a-f]+")
 _MAX_WARNED = 1024  # planted paths remembered so that each is logged once
+LOW_WATER = 0.9
+"""A store found over ``max_bytes`` is evicted down to this fraction of it."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -207,15 +209,31 @@ class DiskStore:
             self.check_inside(path.parent)
             os.utime(path, follow_symlinks=False)
 
-    def discard(self, path: Path) -> None:
+    def discard(self, path: Path) -> bool:
         """Remove a value (a corrupt one) — the link itself if it is one; missing is
-        fine."""
+        fine. Returns whether ``path`` is gone now."""
         try:
             (self.check_inside(path.parent) / path.name).unlink(missing_ok=True)
         except InvalidConfigError:
-            return
+            return False
         except OSError as exc:
             log.warning("shared_storage: could not remove a value", path=str(path), error=repr(exc))
+            return False
+        return True
+
+    def added(self, fingerprint_key: str, block_hash: bytes) -> None:
+        """Count a value another process wrote (a worker) in the size estimate; a
+        missing one counts nothing."""
+        with self._lock:
+            if self._size is None:
+                return  # not scanned yet: the next evict scans
+        try:
+            size = self.path_for(fingerprint_key, block_hash).lstat().st_size
+        except (OSError, InvalidConfigError):
+            return
+        with self._lock:
+            if self._size is not None:
+                self._size += size
 
     def _values(self) -> list[tuple[float, int, Path]]:
         out = []
@@ -229,10 +247,16 @@ class DiskStore:
             out.append((max(st.st_atime, st.st_mtime), st.st_size, path))
         return out
 
-    def evict(self, max_bytes: int) -> int:
+    def evict(self, max_bytes: int, removed: list[Path] | None = None) -> int:
         """Remove least recently accessed values until the store holds <= ``max_bytes``.
 
-        Scans the tree only when the running size estimate says it is over the cap.
+        Scans the tree only when the running size estimate says it is over the cap, and
+        then evicts down to :data:`LOW_WATER` of it, so that the next scan waits until
+        that much more has landed instead of coming with nearly every save.
+
+        Args:
+            max_bytes: The cap.
+            removed: Where to append the path of each value removed.
 
         Returns:
             The number of values removed.
@@ -242,18 +266,21 @@ class DiskStore:
                 return 0
         values = sorted(self._values())
         total = sum(size for _, size, _ in values)
-        removed = 0
+        target = max_bytes if total <= max_bytes else int(max_bytes * LOW_WATER)
+        count = 0
         for _, size, path in values:
-            if total <= max_bytes:
+            if total <= target:
                 break
-            self.discard(path)
-            total -= size
-            removed += 1
+            if self.discard(path):
+                total -= size
+                count += 1
+                if removed is not None:
+                    removed.append(path)
         with self._lock:
             self._size = total
-        if removed:
-            log.debug("shared_storage: evicted", values=removed, bytes_left=total)
-        return removed
+        if count:
+            log.debug("shared_storage: evicted", values=count, bytes_left=total)
+        return count
 
     def clean_stale_temps(self, max_age_s: float) -> int:
         """Remove temp files older than ``max_age_s``, and this host's of a dead

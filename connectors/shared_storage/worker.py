@@ -183,7 +183,8 @@ class SharedStorageWorker(StoreWorker):
     async def wait_for_save(self) -> frozenset[str]:
         """Wait for this step's writes; return the requests whose write failed or whose
         loads failed this step (their new KV was computed on top of it). Never raises
-        for an I/O error (it is logged). Evicts past ``max_bytes`` afterwards."""
+        for an I/O error (it is logged). ``max_bytes`` is the scheduler half's to
+        enforce (once per engine, after the step's saves landed)."""
         step = self._step
         self._finish_load()
         if step.writes:
@@ -207,8 +208,6 @@ class SharedStorageWorker(StoreWorker):
         with self._lock:
             failed = frozenset(step.save_failed)
         self._count(saved_blocks=done, failed_saves=len(failed))
-        if self.options.max_bytes is not None and step.writes:
-            await anyio.to_thread.run_sync(self.store.evict, self.options.max_bytes)
         return failed
 
     # ----------------------------------------------------------------- per step

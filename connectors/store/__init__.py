@@ -4,9 +4,10 @@ block tracking they share with ``offload``.
 A store connector subclasses :class:`StoreScheduler` (it answers ``probe``: which block
 hashes the store holds for every rank), :class:`StoreWorker` (paged cache, per-layer
 gather of saved blocks, stats) and :class:`StoreMetadata`, and keeps only its store and
-its options.
+its options. :class:`StoreEvents` is what their tiers publish while KV events are on.
 """
 
+from connectors.store.events import StoreEvents
 from connectors.store.metadata import BlockRef, StoreMetadata
 from connectors.store.scheduler import StoreScheduler
 from connectors.store.tracking import RequestTracker
@@ -15,6 +16,7 @@ from connectors.store.worker import StoreStep, StoreWorker, StoreWorkerStats
 __all__ = [
     "BlockRef",
     "RequestTracker",
+    "StoreEvents",
     "StoreMetadata",
     "StoreScheduler",
     "StoreStep",

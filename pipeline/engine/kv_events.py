@@ -3,7 +3,8 @@
 The block pool reports the device tier (medium ``"GPU"`` on every device, as vLLM's
 block pool) into the engine's sink; the connector's scheduler half gets the same sink
 through ``set_kv_event_sink`` and each of its tiers that publishes reports under its
-own medium (``offload``: ``"CPU"``, as vLLM's CPU offloading connector) into the same
+own medium (``offload``: ``"CPU"``, as vLLM's CPU offloading connector;
+``shared_storage``: ``"DISK"``; ``redis``: ``"REDIS"``) into the same
 list, so a step's batch holds every tier's events in the order they happened.
 
 :func:`start_kv_events` gives ``None`` when ``EngineConfig.kv_events`` is ``None``: then

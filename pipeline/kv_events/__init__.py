@@ -1,11 +1,11 @@
 """KV cache events: what a replica's caches hold, published for routers (vLLM's schema).
 
-The block pool (medium ``"GPU"``) and the connector tiers that publish (``offload``:
-medium ``"CPU"``) report into :class:`KVEventSink` s sharing one list; the engine
-publishes each step's events as one :class:`KVEventBatch` through a
-:class:`ZmqEventPublisher` (PUB socket and replay ROUTER socket); a router reads them
-with a :class:`KVEventSubscriber`, keeps a :class:`KVBlockIndex` per replica, and hashes
-prompts with :func:`prompt_block_hashes`.
+The block pool (medium ``"GPU"``) and the connector tiers (``offload``: ``"CPU"``,
+``shared_storage``: ``"DISK"``, ``redis``: ``"REDIS"``; ``multi`` passes it on) report
+into :class:`KVEventSink` s sharing one list; the engine publishes each step's events as
+one :class:`KVEventBatch` through a :class:`ZmqEventPublisher` (PUB socket and replay
+ROUTER socket); a router reads them with a :class:`KVEventSubscriber`, keeps a
+:class:`KVBlockIndex` per replica, and hashes prompts with :func:`prompt_block_hashes`.
 The schema and wire format are described in :mod:`pipeline.kv_events.events` and
 :mod:`pipeline.kv_events.publisher`. ``pyzmq`` is needed only once a publisher or
 subscriber is made.
@@ -15,7 +15,9 @@ from pipeline.kv_events.config import KVEventsConfig, kv_events_config
 from pipeline.kv_events.events import (
     HASH_FORMATS,
     MEDIUM_CPU,
+    MEDIUM_DISK,
     MEDIUM_GPU,
+    MEDIUM_REDIS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -38,7 +40,9 @@ __all__ = [
     "END_SEQ",
     "HASH_FORMATS",
     "MEDIUM_CPU",
+    "MEDIUM_DISK",
     "MEDIUM_GPU",
+    "MEDIUM_REDIS",
     "AllBlocksCleared",
     "BatchQueue",
     "BlockRemoved",

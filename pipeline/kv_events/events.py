@@ -36,12 +36,15 @@ the low 64 bits of the 32-byte SHA-256 digest as an unsigned int, exactly as vLL
 **Media.** Each event names the tier it is about, with vLLM's names: ``"GPU"``
 (:data:`MEDIUM_GPU`) for the device tier on every device, as vLLM's block pool does on
 every platform (so a CPU engine's device tier and its host-memory offload tier stay two
-media), and ``"CPU"`` (:data:`MEDIUM_CPU`) for the ``offload`` connector's tier, as
-vLLM's CPU offloading connector. A tier publishes its own adds and evictions; a block
-may be held by several tiers at once, so a router keeps one set per medium
-(:class:`~pipeline.kv_events.KVBlockIndex`). The offload tier's ``BlockStored`` events
-carry hashes only (``token_ids`` empty, ``parent_block_hash`` ``None``), as vLLM's
-offloading connector sends them.
+media), ``"CPU"`` (:data:`MEDIUM_CPU`) for the ``offload`` connector's tier, as
+vLLM's CPU offloading connector, ``"DISK"`` (:data:`MEDIUM_DISK`) for ``shared_storage``
+and ``"REDIS"`` (:data:`MEDIUM_REDIS`) for ``redis`` (vLLM has no agreed name for
+these; see :class:`~connectors.store.events.StoreEvents` for what they report). A
+tier publishes its own adds and evictions; a block may be held by several tiers at
+once, so a router keeps one set per medium (:class:`~pipeline.kv_events.KVBlockIndex`).
+The ``BlockStored`` events of the offload and store tiers carry hashes only
+(``token_ids`` empty, ``parent_block_hash`` ``None``), as vLLM's offloading connector
+sends them.
 
 Unlike vLLM's pool, kvstep's keeps one block per hash (a second block computed for a
 cached hash stays uncached), and the offload tier holds one slot per hash, so the events
@@ -60,7 +63,9 @@ import msgspec
 __all__ = [
     "HASH_FORMATS",
     "MEDIUM_CPU",
+    "MEDIUM_DISK",
     "MEDIUM_GPU",
+    "MEDIUM_REDIS",
     "AllBlocksCleared",
     "BlockStored",
     "BlockRemoved",
@@ -81,6 +86,11 @@ platform, and routers written for vLLM read it as the tier that needs no load.""
 MEDIUM_CPU = "CPU"
 """The ``medium`` of the ``offload`` connector's host-memory tier, as vLLM's CPU
 offloading connector names its tier (a block there is loaded before it is used)."""
+MEDIUM_DISK = "DISK"
+"""The ``medium`` of the ``shared_storage`` tier (a directory on a disk or a shared
+filesystem; a block there is loaded before it is used)."""
+MEDIUM_REDIS = "REDIS"
+"""The ``medium`` of the ``redis`` tier (values in a Redis server; loaded before use)."""
 
 ExternalBlockHash = bytes | int
 """A block hash as it appears in an event (vLLM's ``ExternalBlockHash``)."""

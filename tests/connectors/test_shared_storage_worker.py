@@ -171,7 +171,8 @@ class TestStore:
         assert [p.name for p in path.parent.iterdir()] == [path.name]
 
     def test_eviction_keeps_recently_accessed(self, tmp_path):
-        """Over max_bytes, the least recently accessed values go first."""
+        """Over max_bytes, the least recently accessed values go first, down to the low
+        water mark (90% of 300 bytes: two of the five values stay)."""
         store = DiskStore(tmp_path)
         keys = [bytes([i]) for i in range(5)]
         for age, key in enumerate(keys):
@@ -179,8 +180,16 @@ class TestStore:
             t = 1_000_000 + age
             os.utime(store.path_for("ab", key), (t, t))
         store.touch(store.path_for("ab", keys[0]))  # the oldest, read just now
-        assert store.evict(300) == 2
-        assert [store.contains("ab", k) for k in keys] == [True, False, False, True, True]
+        assert store.evict(300) == 3
+        assert [store.contains("ab", k) for k in keys] == [True, False, False, False, True]
+        assert store.evict(300) == 0  # under the cap: nothing more, and no scan
+
+    def test_eviction_under_the_cap_removes_nothing(self, tmp_path):
+        store = DiskStore(tmp_path)
+        for key in (b"\x01", b"\x02"):
+            store.write("ab", key, b"x" * 100)
+        assert store.evict(200) == 0
+        assert store.contains("ab", b"\x01") and store.contains("ab", b"\x02")
 
 
 class TestOptions:
