@@ -1,8 +1,9 @@
 """Part 3 of ``benchmarks/disagg.py``: decode ITL while long prompts keep arriving,
 colocated against disaggregated.
 
-Setups (real processes on loopback, started and stopped here; ``builtin:tiny``, float32
-on CPU, each engine process with ``OMP_NUM_THREADS`` = ``threads``):
+Setups (real processes on loopback, started and stopped by ``_disagg_procs.py``;
+``builtin:tiny``, float32 on CPU, each engine process with ``OMP_NUM_THREADS`` =
+``threads``):
 
 * colocated: one ``kvstep serve``; every request goes to it.
 * disaggregated: ``kvstep serve --kv-role producer`` + ``kvstep serve --kv-role
@@ -18,20 +19,21 @@ output tokens) are sent at a steady ``rate`` from one interval before the stream
 until they have all finished, skipping a tick while ``long_inflight`` of them are still
 unanswered (so a server that falls behind is not buried and the round still ends; the
 report gives the rate achieved); "no-load": the same streams alone. Both setups run at
-once (the idle one waits on its sockets) and the rounds alternate setup and workload,
-``rounds`` times each, with fresh prompts every round, so a change in the machine's
-load falls on all four alike.
+once (the idle one waits on its sockets) and the rounds alternate layout (unpinned, and
+pinned when asked: ``_disagg_procs.pin_plan``), setup and workload, ``rounds`` times
+each, with fresh prompts every round, so a change in the machine's load falls on all
+of them alike. Around each round, every process's CPU run and wait time is read from
+``/proc`` (``_sched_stats.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +42,11 @@ import anyio.abc
 import attrs
 import httpx
 import numpy as np
-from _serve_client import WORDS, ClientRecord, RequestSpec, free_port, proxy, send_one, serve
+from _disagg_procs import MODEL, pin_plan, running
+from _sched_stats import CpuTimes, pin, since, snapshots
+from _serve_client import WORDS, ClientRecord, RequestSpec, send_one
 from _serve_metrics import SAMPLE_QUANTILE
 
-MODEL = "builtin:tiny"
-SERVE_ARGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "4096"]
 SETUPS = ("colocated", "disaggregated")
 MODES = ("no_load", "loaded")
 ROUND_TIMEOUT_S = 600.0
@@ -63,43 +65,6 @@ class Workload:
     long_inflight: int = 2
     rounds: int = 3
     threads: int = 1
-
-
-# -- processes ------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """``OMP_NUM_THREADS=n`` in this process's environment (the servers started
-    inside inherit it; this process's torch pool is already made)."""
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(n)
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-
-
-@contextlib.contextmanager
-def running(setup: str, threads: int, logs: Path) -> Iterator[str]:
-    """The processes of ``setup``; yields the URL the workload is sent to."""
-    with contextlib.ExitStack() as stack:
-        with _threads(threads):
-            if setup == "colocated":
-                url = stack.enter_context(serve(MODEL, SERVE_ARGS, logs / "colocated.log"))
-            else:
-                urls = {}
-                for role in ("producer", "consumer"):
-                    side = json.dumps({"host": "127.0.0.1", "port": free_port()})
-                    flags = [*SERVE_ARGS, "--kv-role", role, "--connector-options", side]
-                    urls[role] = stack.enter_context(serve(MODEL, flags, logs / f"{role}.log"))
-                flags = ["--prefill", urls["producer"], "--decode", urls["consumer"]]
-                flags += ["--health-interval", "0.5"]
-                url = stack.enter_context(proxy(flags, logs / "proxy.log"))
-        yield url
 
 
 # -- the workload ---------------------------------------------------------------------
@@ -137,13 +102,19 @@ class Prompts:
 @attrs.frozen
 class Round:
     """One round: the decode streams' and the long prompts' records, the ticks at which
-    no prompt was sent because ``long_inflight`` were unanswered, and the time from the
-    round's start to its streams' end."""
+    no prompt was sent because ``long_inflight`` were unanswered, the time from the
+    round's start to its streams' end (and both as unix times), and what each process's
+    threads ran and waited between the ``/proc`` reads around the round, which lie
+    ``cpu_window_s`` apart."""
 
     streams: list[ClientRecord]
     longs: list[ClientRecord]
     skipped: int
     window_s: float
+    start_ts: float = 0.0
+    end_ts: float = 0.0
+    cpu: dict[str, CpuTimes] = attrs.field(factory=dict)
+    cpu_window_s: float = 0.0
 
 
 async def run_round(url: str, work: Workload, prompts: Prompts, loaded: bool) -> Round:
@@ -186,7 +157,7 @@ async def run_round(url: str, work: Workload, prompts: Prompts, loaded: bool) ->
                 with anyio.move_on_after(start + ticks / work.rate - time.perf_counter()):
                     await over.wait()
 
-        start = time.perf_counter()
+        start, start_ts = time.perf_counter(), time.time()
         with anyio.fail_after(ROUND_TIMEOUT_S):
             async with anyio.create_task_group() as outer:
                 if loaded:
@@ -199,7 +170,7 @@ async def run_round(url: str, work: Workload, prompts: Prompts, loaded: bool) ->
                         inner.start_soon(send_one, client, spec, record)
                 over.set()
                 window = time.perf_counter() - start
-    return Round(stream_records, long_records, len(skipped), window)
+    return Round(stream_records, long_records, len(skipped), window, start_ts, time.time())
 
 
 def _quantiles(samples: Sequence[float]) -> dict[str, Any]:
@@ -232,30 +203,88 @@ def _summary(rounds: list[Round]) -> dict[str, Any]:
     return row
 
 
-def measure(work: Workload, logs: Path, seed: int = 0) -> dict[str, Any]:
-    """Per setup, the decode streams' ITL quantiles without and with load and their
-    ratios (the order of the rounds: see the module docstring)."""
+def measure(
+    work: Workload, logs: Path, seed: int = 0, step_logs: bool = False, pinned: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Per layout (``unpinned``; with ``pinned`` also ``pinned``, :func:`pin_plan`) and
+    setup, the decode streams' ITL quantiles without and with load and their ratios,
+    and each process's CPU (:func:`_cpu`); with ``step_logs``, the decode engine's steps
+    (:mod:`_disagg_steps`). The same processes serve both layouts (re-pinned before each
+    round; without ``pinned`` no affinity is touched), and the rounds alternate layout,
+    setup and workload (module docstring)."""
     prompts = Prompts(seed)
-    runs: dict[tuple[str, str], list[Round]] = {(s, m): [] for s in SETUPS for m in MODES}
+    everywhere = sorted(os.sched_getaffinity(0)) if pinned else []
+    plans: dict[str, dict[str, list[int]]] = {"unpinned": {}}  # a name not in it: everywhere
+    if pinned:
+        plans["pinned"] = pin_plan(everywhere)
+    runs: dict[tuple[str, str, str], list[Round]] = {
+        (lay, s, m): [] for lay in plans for s in SETUPS for m in MODES
+    }
     with contextlib.ExitStack() as stack:
-        urls = {setup: stack.enter_context(running(setup, work.threads, logs)) for setup in SETUPS}
-        warm = attrs.evolve(work, streams=1, stream_tokens=8, rate=10.0)
-        for url in urls.values():
-            anyio.run(run_round, url, warm, prompts, True)  # first requests, the handshake
-        for _ in range(work.rounds):
-            for setup, url in urls.items():
-                for mode in MODES:
-                    runs[setup, mode].append(
-                        anyio.run(run_round, url, work, prompts, mode == "loaded")
-                    )
-                    time.sleep(0.2)
-    result: dict[str, Any] = {}
-    for setup in SETUPS:
-        no_load, loaded = _summary(runs[setup, "no_load"]), _summary(runs[setup, "loaded"])
-        result[setup] = {
-            "no_load": no_load,
-            "loaded": loaded,
-            "p50_loaded_vs_no_load": loaded["p50_s"] / no_load["p50_s"],
-            "p99_loaded_vs_no_load": loaded["p99_s"] / no_load["p99_s"],
+        setups = {
+            setup: stack.enter_context(running(setup, work.threads, logs, step_logs))
+            for setup in SETUPS
         }
+        pids = {f"{s}.{role}": pid for s, r in setups.items() for role, pid in r.pids.items()}
+        warm = attrs.evolve(work, streams=1, stream_tokens=8, rate=10.0)
+        for started in setups.values():
+            anyio.run(run_round, started.url, warm, prompts, True)  # the handshake
+        pids["client"] = os.getpid()
+        for _ in range(work.rounds):
+            for layout, plan in plans.items():
+                for name, pid in pids.items():
+                    if pinned and name != "client":
+                        pin(pid, plan.get(name, everywhere))
+                for setup, started in setups.items():
+                    if pinned:
+                        pin(os.getpid(), plan.get(f"{setup}.client", everywhere))
+                    for mode in MODES:
+                        t0, before = time.monotonic(), snapshots(pids)
+                        rnd = anyio.run(run_round, started.url, work, prompts, mode == "loaded")
+                        t1, after = time.monotonic(), snapshots(pids)
+                        cpu = {n: since(before[n], after[n]) for n in pids}
+                        rnd = attrs.evolve(rnd, cpu=cpu, cpu_window_s=t1 - t0)
+                        runs[layout, setup, mode].append(rnd)
+                        time.sleep(0.2)
+        if pinned:
+            pin(os.getpid(), everywhere)
+    result: dict[str, dict[str, Any]] = {}
+    for layout in plans:
+        result[layout] = {"cpus": plans[layout]} if layout == "pinned" else {}
+        for setup in SETUPS:
+            rounds = {mode: runs[layout, setup, mode] for mode in MODES}
+            result[layout][setup] = row = _row(rounds)
+            if step_logs:
+                import _disagg_steps
+
+                log = setups[setup].step_logs["colocated" if setup == "colocated" else "consumer"]
+                row["decode_steps"] = {
+                    mode: _disagg_steps.summarize(log, rounds[mode]) for mode in MODES
+                }
     return result
+
+
+def _row(rounds: dict[str, list[Round]]) -> dict[str, Any]:
+    no_load, loaded = _summary(rounds["no_load"]), _summary(rounds["loaded"])
+    return {
+        "no_load": no_load,
+        "loaded": loaded,
+        "p50_loaded_vs_no_load": loaded["p50_s"] / no_load["p50_s"],
+        "p99_loaded_vs_no_load": loaded["p99_s"] / no_load["p99_s"],
+        "cpu": {mode: _cpu(rounds[mode]) for mode in MODES},
+    }
+
+
+def _cpu(rounds: list[Round]) -> dict[str, dict[str, float]]:
+    """Per process, the share of a core it ran and the share its threads waited for
+    one, over these rounds' windows (every process of both setups: the idle setup's
+    show what it costs beside the measured one)."""
+    window_ns = sum(r.cpu_window_s for r in rounds) * 1e9
+    out: dict[str, dict[str, float]] = {}
+    for name in rounds[0].cpu:
+        total = sum((r.cpu[name] for r in rounds), CpuTimes())
+        out[name] = {
+            "run": round(total.run_ns / window_ns, 3),
+            "wait": round(total.wait_ns / window_ns, 3),
+        }
+    return out

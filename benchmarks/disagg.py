@@ -16,9 +16,16 @@ baseline in the same run.
 3. **ITL** (``_disagg_itl.py``): a colocated ``kvstep serve`` against producer +
    consumer + ``kvstep proxy`` (``builtin:tiny``: one step of 4 streams of the ~100M
    model takes about 120 ms on one core here, too slow for enough samples in the time
-   budget),
-   decode streams' inter-token latency with long prompts arriving at a steady rate and
-   with none. Goal: disaggregated p99 loaded <= 1.5x its no-load p99.
+   budget), decode streams' inter-token latency with long prompts arriving at a steady
+   rate and with none. Goal: disaggregated p99 loaded <= 1.5x its no-load p99.
+   ``--pin`` adds a pinned layout, measured beside (never instead of) the unpinned one,
+   with the same processes re-pinned before each round: the producer on one core; the
+   consumer, proxy and client on another; the colocated server and its client on both
+   (why: ``_disagg_procs.py``). "CPU wait": seconds the decode engine's threads waited
+   runnable for a core per second they ran (``_sched_stats.py``), no-load -> loaded,
+   which tells contention from the engine's own work. ``--step-logs DIR`` keeps the
+   servers' step logs there and adds the decode engine's step period, the gap between
+   its steps, and the period by kind of step (``_disagg_steps.py``).
 
 The model of parts 1-2 is the ~100M random Llama of ``benchmarks/kv_reuse.py`` (12
 layers, 4 KV heads of 64; ``--model small`` is a 2-layer one, for a smoke run).
@@ -26,13 +33,14 @@ layers, 4 KV heads of 64; ``--model small`` is a 2-layer one, for a smoke run).
 ``OMP_NUM_THREADS`` (part 3): default 1, since two engine processes share this
 machine's 2 cores in part 3 (and the colocated server then has one core to itself
 beside the client and proxy). Colocated and disaggregated run on the same cores here,
-so the disaggregated producer's prefill still competes with its consumer's decode for
-CPU. Nothing asserts timings. JSON goes to ``benchmarks/results/disagg.json``.
+so unless ``--pin`` the disaggregated producer's prefill competes with its consumer's
+decode for CPU. Nothing asserts timings. JSON goes to ``benchmarks/results/disagg.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -44,12 +52,14 @@ from typing import Any
 
 import attrs
 import torch
-from _disagg_itl import SETUPS, Workload
+from _disagg_itl import Workload
+from _disagg_itl_table import GOAL as ITL_GOAL
+from _disagg_itl_table import print_itl
 from _models import save_random_llama
 from _results import RESULTS, save
 from kv_reuse import BLOCK, build_model
 
-GOALS = {"transfer_vs_memcpy": 0.5, "ttft_speedup": 5.0, "disagg_p99_vs_no_load": 1.5}
+GOALS = {"transfer_vs_memcpy": 0.5, "ttft_speedup": 5.0, "disagg_p99_vs_no_load": ITL_GOAL}
 
 
 def _ints(text: str) -> list[int]:
@@ -138,36 +148,7 @@ def print_report(result: dict[str, Any]) -> None:
             )
         print(f"   goal >= 5x; medians of {next(iter(result['ttft'].values()))['prompts']} prompts")
     if "itl" in result:
-        w = result["workload"]
-        print(
-            f"\n3. decode ITL, builtin:tiny: {w['streams']} streams x {w['stream_tokens']} "
-            f"tokens; loaded = {w['long_tokens']}-token prompts (max_tokens "
-            f"{w['long_max_tokens']}) at {w['rate']:g}/s; {w['rounds']} rounds each"
-        )
-        print(
-            f"   {'setup':<15}{'no-load p50':>12}{'p99':>8}{'loaded p50':>12}{'p99':>8}"
-            f"{'p99 ratio':>11}{'prompts':>9}{'rate/s':>8}{'prompt TTFT':>13}"
-        )
-        for setup in SETUPS:
-            row = result["itl"][setup]
-            idle, busy = row["no_load"], row["loaded"]
-            print(
-                f"   {setup:<15}{_ms(idle['p50_s']):>12}{_ms(idle['p99_s']):>8}"
-                f"{_ms(busy['p50_s']):>12}{_ms(busy['p99_s']):>8}"
-                f"{row['p99_loaded_vs_no_load']:>10.2f}x"
-                f"{busy['long_ok']:>5}/{busy['long_sent']:<3}{busy['long_rate_achieved']:>8.2f}"
-                f"{_ms(busy['long_ttft_p50_s']):>13}"
-            )
-            errors = idle["errors"] + busy["errors"]
-            if errors:
-                print(f"   {setup} errors: {errors}")
-        ratio = result["itl"]["disaggregated"]["p99_loaded_vs_no_load"]
-        verdict = _goal(ratio <= GOALS["disagg_p99_vs_no_load"])
-        print(
-            f"   ms; disaggregated p99 loaded / no-load = {ratio:.2f}x (goal <= 1.5x: "
-            f"{verdict}); prompts = long prompts answered/sent, at the rate achieved (at most "
-            f"{w['long_inflight']} in flight); prompt TTFT = their p50"
-        )
+        print_itl(result)
 
 
 def _ms(seconds: float) -> str:
@@ -196,6 +177,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rate", type=float, default=2.0, help="long prompts per second")
     parser.add_argument("--long-inflight", type=int, default=2, help="most unanswered")
     parser.add_argument("--rounds", type=int, default=3, help="part 3: rounds per workload")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="part 3: also measure with the producer and the consumer on separate cores",
+    )
+    parser.add_argument(
+        "--step-logs",
+        type=Path,
+        metavar="DIR",
+        help="part 3: the servers' output and step logs go to DIR (kept); the report "
+        "adds the decode engine's steps",
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "disagg.json")
     args = parser.parse_args(argv)
 
@@ -223,8 +216,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             threads=args.threads,
         )
         result["workload"] = attrs.asdict(work)
-        with tempfile.TemporaryDirectory() as logs:
-            result["itl"] = _disagg_itl.measure(work, Path(logs))
+        with contextlib.ExitStack() as stack:
+            logs = args.step_logs or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            logs.mkdir(parents=True, exist_ok=True)
+            itl = _disagg_itl.measure(work, logs, step_logs=bool(args.step_logs), pinned=args.pin)
+            result["itl"] = itl["unpinned"]
+            if args.pin:
+                result["itl_pinned"] = itl["pinned"]
     result.update(
         elapsed_s=time.perf_counter() - start,
         load_before=load_before,
