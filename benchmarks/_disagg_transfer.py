@@ -116,6 +116,7 @@ def measure(shape: KVShape, prompt_len: int, repeats: int) -> dict[str, Any]:
     process, and of ``copy_`` of the same blocks here; the data read is checked once."""
     from connectors.nixl.agent import KVAgent, _runs
     from connectors.nixl.handshake import fetch_peer_info
+    from connectors.nixl.hugepages import back_with_huge_pages
 
     count = (prompt_len - 1) // shape.block_size  # what the connector reads
     blocks = count + 1
@@ -152,9 +153,11 @@ def measure(shape: KVShape, prompt_len: int, repeats: int) -> dict[str, Any]:
             torch.equal(dst[:, 1 : count + 1], src[:, :count])
             for dst, src in zip(caches, sources, strict=True)
         )
+        read_huge = agent.huge_page_bytes
     finally:
         agent.close()
     targets = [torch.zeros_like(s) for s in sources]
+    memcpy_huge = back_with_huge_pages(sources + targets)  # as the agents' caches are
     copy_runs = runs(remote, local)
 
     def memcpy() -> None:
@@ -174,6 +177,8 @@ def measure(shape: KVShape, prompt_len: int, repeats: int) -> dict[str, Any]:
         "nixl_vs_memcpy": t_copy / t_read,
         "start_read_share": statistics.median(posts) / t_read,
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
+        "huge_page_share_read": read_huge / (2 * len(caches) * caches[0][0].nbytes),
+        "huge_page_share_memcpy": memcpy_huge / (2 * len(sources) * sources[0].nbytes),
         "read_correct": correct,
         "raw_read_s": read_times,
         "raw_memcpy_s": copy_times,

@@ -1,12 +1,15 @@
 """``KVAgent``: one rank's NIXL agent over its paged KV cache.
 
 It registers the rank's cache tensors (one per layer, ``[2, num_blocks, block_size,
-kv_heads, head_dim]``, contiguous) with a NIXL agent on the UCX backend, describes them
+kv_heads, head_dim]``, contiguous, on huge pages where the kernel allows:
+:mod:`~connectors.nixl.hugepages`) with a NIXL agent on the UCX backend whose progress
+thread sleeps between events (:mod:`~connectors.nixl.progress`), describes them
 as a :class:`~connectors.nixl.handshake.PeerInfo`, admits peers whose info matches
 (model fingerprint, block size, dtype, TP size, layout; else
 :class:`PeerMismatchError`), reads remote blocks into local blocks with one READ
-descriptor per layer, K/V and block, and polls it against a deadline. ``nixl_cu12`` is
-imported when an agent is made, so importing this module needs no NIXL.
+descriptor per layer, K/V and run of consecutive blocks, and polls it against a
+deadline. ``nixl_cu12`` is imported when an agent is made, so importing this module
+needs no NIXL.
 
 Not thread-safe: every call comes from the rank's event loop (or one thread at a time).
 """
@@ -23,6 +26,8 @@ import numpy as np
 
 from connectors.nixl.errors import PeerMismatchError, TransferError
 from connectors.nixl.handshake import PeerInfo
+from connectors.nixl.hugepages import back_with_huge_pages
+from connectors.nixl.progress import new_agent
 from pipeline.errors import InvalidConfigError
 
 if TYPE_CHECKING:
@@ -77,14 +82,13 @@ class KVAgent:
         tp_size: int,
         kv_caches: Sequence[torch.Tensor],
     ) -> None:
-        from nixl_cu12 import nixl_agent, nixl_agent_config
-
         _check_layout(kv_caches)
         first = kv_caches[0]
         self.engine_id = engine_id
         self.name = f"{engine_id}/rank{tp_rank}"
         self._caches = list(kv_caches)
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.huge_page_bytes = back_with_huge_pages(self._caches)  # faster host READs
+        self._agent = new_agent(self.name)  # its progress thread sleeps, never spins
         self._reg = self._agent.register_memory(self._caches)
         self._peers: dict[str, _Peer] = {}
         self._closed = False
