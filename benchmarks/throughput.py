@@ -1,12 +1,13 @@
 """Throughput: kvstep ``LLM`` vs transformers ``generate()`` on the same random Llama.
 
     python benchmarks/throughput.py [--prompts 16] [--prompt-len 256] [--new-tokens 64]
+        [--dtypes float32 bfloat16]
 
 Both run from this command, each in a fresh process of its own, on the same checkpoint,
-dtype and prompts (greedy), each once untimed and then ``--repeats`` times (the best run
-counts); the table
-gives generated tokens/s of each and the ratio, and JSON goes to
-``benchmarks/results/throughput.json``.
+dtype and prompts (greedy, EOS not special), each once untimed and then ``--repeats``
+times (the best run counts). For each of ``--dtypes`` the table gives generated tokens/s
+of each engine and their ratio; with several dtypes it also gives kvstep's speed-up over
+its own run in the first dtype. JSON goes to ``benchmarks/results/throughput.json``.
 """
 
 from __future__ import annotations
@@ -43,13 +44,18 @@ def build_model(path: Path, seed: int = 0) -> int:
     )
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def run_transformers(
-    path: Path, prompts: torch.Tensor, new_tokens: int, repeats: int
+    path: Path, prompts: torch.Tensor, new_tokens: int, repeats: int, dtype: str
 ) -> tuple[float, list]:
     """Best of ``repeats`` timed runs after one untimed run of the same workload."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    # As kvstep's ignore_eos: EOS is an ordinary token (min_new_tokens would mask it out).
+    model.generation_config.eos_token_id = None
     times = []
     with torch.inference_mode():
         for i in range(repeats + 1):
@@ -58,7 +64,6 @@ def run_transformers(
                 prompts,
                 attention_mask=torch.ones_like(prompts),
                 max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=0,
             )
@@ -68,12 +73,12 @@ def run_transformers(
 
 
 def run_kvstep(
-    path: Path, prompts: torch.Tensor, new_tokens: int, repeats: int
+    path: Path, prompts: torch.Tensor, new_tokens: int, repeats: int, dtype: str
 ) -> tuple[float, list]:
     """Best of ``repeats`` timed runs after one untimed run of the same workload."""
     config = EngineConfig(
         model=str(path),
-        dtype="float32",
+        dtype=dtype,
         max_num_batched_tokens=prompts.numel(),
         max_num_seqs=prompts.shape[0],
         max_model_len=prompts.shape[1] + new_tokens + 16,
@@ -94,10 +99,12 @@ def _run_one(engine: str, path: Path, args: argparse.Namespace) -> tuple[float, 
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, 8192, (args.prompts, args.prompt_len), generator=gen)
     run = run_transformers if engine == "transformers" else run_kvstep
-    return run(path, prompts, args.new_tokens, args.repeats)
+    return run(path, prompts, args.new_tokens, args.repeats, args.dtypes[0])
 
 
-def _in_subprocess(engine: str, path: Path, args: argparse.Namespace) -> tuple[float, list]:
+def _in_subprocess(
+    engine: str, path: Path, args: argparse.Namespace, dtype: str
+) -> tuple[float, list]:
     """Each engine runs in a fresh process: torch work on one thread leaves state that
     slows torch work on another thread of the same process (seen here: kvstep run after
     transformers in one process took 3.72 s, 2.85 s before it), so neither goes second."""
@@ -118,6 +125,8 @@ def _in_subprocess(engine: str, path: Path, args: argparse.Namespace) -> tuple[f
             str(args.new_tokens),
             "--repeats",
             str(args.repeats),
+            "--dtypes",
+            dtype,
             "--json",
             str(out),
         ]
@@ -126,12 +135,48 @@ def _in_subprocess(engine: str, path: Path, args: argparse.Namespace) -> tuple[f
     return data["seconds"], data["tokens"]
 
 
+def _compare(path: Path, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    """Both engines in ``dtype``: seconds, tokens/s, ratio and greedy agreement."""
+    hf_s, hf_tokens = _in_subprocess("transformers", path, args, dtype)
+    kv_s, kv_tokens = _in_subprocess("kvstep", path, args, dtype)
+    total = args.prompts * args.new_tokens
+    agree = sum(a == b for a, b in zip(hf_tokens, kv_tokens, strict=True)) / len(hf_tokens)
+    return {
+        "dtype": dtype,
+        "transformers_s": hf_s,
+        "kvstep_s": kv_s,
+        "transformers_tok_s": total / hf_s,
+        "kvstep_tok_s": total / kv_s,
+        "ratio": hf_s / kv_s,
+        "identical_outputs_fraction": agree,
+    }
+
+
+def _print_table(runs: list[dict[str, Any]]) -> None:
+    print(f"{'dtype':<10}{'engine':<14}{'seconds':>10}{'tokens/s':>12}")
+    for run in runs:
+        for engine in ("transformers", "kvstep"):
+            row = f"{run['dtype']:<10}{engine:<14}{run[engine + '_s']:>10.2f}"
+            print(f"{row}{run[engine + '_tok_s']:>12.1f}")
+        print(
+            f"{run['dtype']}: kvstep/transformers {run['ratio']:.2f}x  "
+            f"(identical greedy outputs: {run['identical_outputs_fraction']:.0%} of requests)"
+        )
+    base = runs[0]
+    for run in runs[1:]:
+        speedup = run["kvstep_tok_s"] / base["kvstep_tok_s"]
+        print(f"kvstep {run['dtype']} vs kvstep {base['dtype']}: {speedup:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs (best kept)")
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=list(DTYPES), default=["float32"], help="each is run"
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "throughput.json")
     parser.add_argument("--engine", choices=["both", "kvstep", "transformers"], default="both")
     parser.add_argument("--model-path", type=Path, default=None, help=argparse.SUPPRESS)
@@ -145,32 +190,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "llama-30m"
         params = build_model(path)
-        hf_s, hf_tokens = _in_subprocess("transformers", path, args)
-        kv_s, kv_tokens = _in_subprocess("kvstep", path, args)
+        runs = [_compare(path, args, dtype) for dtype in args.dtypes]
 
-    total = args.prompts * args.new_tokens
-    agree = sum(a == b for a, b in zip(hf_tokens, kv_tokens, strict=True)) / len(hf_tokens)
     result = {
         "model_parameters": params,
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "repeats": args.repeats,
-        "transformers_s": hf_s,
-        "kvstep_s": kv_s,
-        "transformers_tok_s": total / hf_s,
-        "kvstep_tok_s": total / kv_s,
-        "ratio": hf_s / kv_s,
-        "identical_outputs_fraction": agree,
+        "runs": runs,
+        "kvstep_speedup_vs_first_dtype": {
+            run["dtype"]: run["kvstep_tok_s"] / runs[0]["kvstep_tok_s"] for run in runs[1:]
+        },
     }
-    print(f"{'engine':<14}{'seconds':>10}{'tokens/s':>12}")
-    print(f"{'transformers':<14}{hf_s:>10.2f}{result['transformers_tok_s']:>12.1f}")
-    print(f"{'kvstep':<14}{kv_s:>10.2f}{result['kvstep_tok_s']:>12.1f}")
-    print(
-        f"ratio kvstep/transformers: {result['ratio']:.2f}x  "
-        f"(identical greedy outputs: {agree:.0%} of requests)"
-    )
+    _print_table(runs)
     save(args.json, result)
     return result
 

@@ -35,13 +35,19 @@ class DecodeBatch:
         first_row: ``start`` when ``token_rows`` is ``range(start, start + n)`` (sliced, not
             gathered), else ``None``.
         block_table: Blocks to gather per request ``[n, max_blocks]`` (padded with 0).
+        seq_len: The context length every request shares, or ``None`` when they differ.
+            Keys are then sliced to exactly ``seq_len`` (no mask, no padded keys), so
+            attention sums over the same keys in the same order as an unpaged
+            implementation: bit-identical to transformers in bfloat16, where padding
+            would change the reduction's association and flip roundings.
         mask: ``[n, 1, 1, max_blocks * block_size]``, True where a key is in context;
-            ``None`` when no row is padded.
+            ``None`` when ``seq_len`` is set.
     """
 
     token_rows: torch.Tensor
     first_row: int | None
     block_table: torch.Tensor
+    seq_len: int | None
     mask: torch.Tensor | None
 
 
@@ -141,15 +147,16 @@ def build_attention_metadata(
         d_seq = seq[decode_idx]
         d_blocks = int(needed[decode_idx].max())
         span = d_blocks * block_size
-        padded = bool((d_seq != span).any())
+        same = bool((d_seq == d_seq[0]).all())
         rows = starts[decode_idx]
         decode = DecodeBatch(
             token_rows=to_dev(rows),
             first_row=int(rows[0]) if bool((np.diff(rows) == 1).all()) else None,
             block_table=to_dev(np.ascontiguousarray(table[decode_idx, :d_blocks])),
-            mask=to_dev(np.arange(span)[None, :] < d_seq[:, None])[:, None, None, :]
-            if padded
-            else None,
+            seq_len=int(d_seq[0]) if same else None,
+            mask=None
+            if same
+            else to_dev(np.arange(span)[None, :] < d_seq[:, None])[:, None, None, :],
         )
     prefills = []
     for idx in np.flatnonzero(q_lens > 1):
@@ -254,13 +261,19 @@ def _decode(
     head_dim = query.shape[-1]
     first = batch.first_row
     q = query[first : first + n] if first is not None else query.index_select(0, batch.token_rows)
-    # Grouped-query trick: the `group` query heads sharing a KV head become the query
-    # length of one call, so keys and values are never repeated.
-    q = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
     flat = batch.block_table.view(-1)
     k = kv_cache[0].index_select(0, flat).view(n, -1, kv_heads, head_dim).transpose(1, 2)
     v = kv_cache[1].index_select(0, flat).view(n, -1, kv_heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
+    if batch.seq_len is not None:
+        # Exactly the context, as transformers calls it: [n, heads, 1, head_dim] queries.
+        k, v = k[:, :, : batch.seq_len], v[:, :, : batch.seq_len]
+        q = q.view(n, num_heads, 1, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=kv_heads != num_heads)
+    else:
+        # Grouped-query trick: the `group` query heads sharing a KV head become the
+        # query length of one call, so keys and values are never repeated.
+        q = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
     o = o.reshape(n, num_heads, head_dim)
     if first is not None:
         out[first : first + n] = o
