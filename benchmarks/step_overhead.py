@@ -25,7 +25,14 @@ awaited the ranks, so the numbers compare across that change).
 KV events (``_kv_events_cost.py``): a scheduler step (fake model, evicting pool) with
 events off, collected and published, steps/10 steps per variant: "no cost when off".
 
+Decode step (``_decode_step.py``, issue 15): a batch-1 decode step of a random 1-layer
+Llama (vocab 1,000, hidden 64), fp32, one torch thread: kvstep's inter-token time against
+transformers' bare forward of one token with its KV cache and ``generate()`` per token,
+and kvstep's per-stage medians from the step log. Goal: kvstep <= 1.15x the bare forward.
+``--decode-tokens 0`` skips it.
+
     python benchmarks/step_overhead.py [--steps N] [--json PATH] [--backend asyncio|trio]
+        [--decode-tokens N] [--decode-rounds N]
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _decode_step import measure_decode_step, print_decode_step
 from _kv_events_cost import measure_kv_events, print_kv_events
 from _noop import NoopStage
 from _results import save
@@ -342,12 +350,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=6000, help="timed steps per variant")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    parser.add_argument("--decode-tokens", type=int, default=300, help="decode: tokens a round")
+    parser.add_argument("--decode-rounds", type=int, default=5, help="decode: rounds")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.decode_tokens < 0 or args.decode_rounds < 1:
+        parser.error("--decode-tokens must be >= 0 and --decode-rounds >= 1")
     rows = anyio.run(measure, args.steps, backend=args.backend)
     fan_in = anyio.run(measure_fan_in, args.steps, backend=args.backend)
     kv_events = measure_kv_events(max(1, args.steps // 10))
+    decode = None
+    if args.decode_tokens:
+        decode = measure_decode_step(args.decode_tokens, args.decode_rounds, args.backend)
     result = {
         "benchmark": "step_overhead",
         "backend": args.backend,
@@ -358,10 +373,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "results": rows,
         "fan_in": fan_in,
         "kv_events": kv_events,
+        "decode_step": decode,
     }
     print_table(rows, args.backend, args.steps)
     print_fan_in(fan_in, args.backend, args.steps)
     print_kv_events(kv_events)
+    if decode is not None:
+        print_decode_step(decode)
     save(args.json, result)
     print(f"wrote {args.json}")
     return result

@@ -47,7 +47,7 @@ def default_worker_graph(
         [
             BindStage(connector),
             LoadStage(runner, connector),
-            ForwardStage(runner, connector),
+            ForwardStage(runner, connector, presample=rank == 0),
             SampleStage(runner, driver=rank == 0),
             SaveStage(connector),
             FinishedStage(rank, connector),

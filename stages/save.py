@@ -27,6 +27,11 @@ class SaveStage:
 
     connector: KVConnectorWorker | None = None
 
+    @property
+    def immediate(self) -> bool:
+        """Without a connector there is nothing to wait for (runs before its siblings)."""
+        return self.connector is None
+
     async def run(self, ctx: StepContext) -> SaveResult:
         loads = ctx.maybe(LoadStarted)
         if self.connector is None or loads is None or not loads.started:

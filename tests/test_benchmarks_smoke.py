@@ -12,7 +12,7 @@ import pytest
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 TINY_ARGS = {
-    "step_overhead.py": ["--steps", "50"],
+    "step_overhead.py": ["--steps", "50", "--decode-tokens", "20", "--decode-rounds", "1"],
     "crash_consistency.py": ["--trials", "3"],
     "detokenize.py": ["--lengths", "50", "--repeats", "1"],
     # part 3 (four server processes) is left out: it alone takes ~25 s on an idle box
@@ -51,6 +51,20 @@ TINY_ARGS = {
         "--output-tokens",
         "2,2",
         "--warmup",
+        "1",
+    ],
+    "roofline.py": [
+        "--prefill-tokens",
+        "32",
+        "--prefill-seq-len",
+        "16",
+        "--decode-tokens",
+        "2",
+        "--gemm-size",
+        "256",
+        "--bandwidth-mib",
+        "16",
+        "--repeats",
         "1",
     ],
     "serve.py": [

@@ -18,6 +18,7 @@ from pipeline.kernel.stage import (
     as_stage,
     is_collective,
     is_finalizer,
+    is_immediate,
     stage,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "describe_failure",
     "is_collective",
     "is_finalizer",
+    "is_immediate",
     "run_step",
     "stage",
 ]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import attrs
 
+from pipeline.kernel.stage import is_immediate
 from pipeline.kernel.validate import has_drain
 
 if TYPE_CHECKING:
@@ -152,6 +153,9 @@ class StepPlan:
 
     Attributes:
         body: The body plan as a top-level series (see :mod:`pipeline.kernel.plan`).
+        run_body: ``body`` as the runner walks it: a parallel block's ``immediate``
+            branches run first, in the current task, and a block left with one other
+            branch becomes a series (no task group); see :func:`inline_immediate`.
         names: Body stage names, by stage index.
         runs: Bound ``run`` methods, by stage index.
         provides: ``provides`` types, by stage index.
@@ -161,6 +165,7 @@ class StepPlan:
     """
 
     body: tuple[Item, ...]
+    run_body: tuple[Item, ...]
     names: tuple[str, ...]
     runs: tuple[Callable[[StepContext], Awaitable[Any]], ...]
     provides: tuple[type | None, ...]
@@ -188,6 +193,7 @@ class StepPlan:
         )
         return cls(
             body=body,
+            run_body=inline_immediate(body, {i for i, s in enumerate(stages) if is_immediate(s)}),
             names=tuple(s.name for s in stages),
             runs=tuple(s.run for s in stages),
             provides=tuple(s.provides for s in stages),
@@ -195,6 +201,40 @@ class StepPlan:
             inputs=inputs,
             finalizers=fins,
         )
+
+
+def inline_immediate(body: tuple[Item, ...], immediate: set[int]) -> tuple[Item, ...]:
+    """``body`` with each parallel block's immediate branches (a stage that never
+    suspends) moved in front of it as a series; a block left with one branch becomes
+    that branch. Branches have no order between them, so running a branch that cannot
+    wait before the others changes no result, only saves the task group and its tasks.
+    """
+
+    def series(items: tuple[Item, ...]) -> tuple[Item, ...]:
+        out: list[Item] = []
+        for part in items:
+            done = item(part)
+            if isinstance(part, Parallel) and isinstance(done, tuple):
+                out.extend(done)  # spliced into this series: one level less to walk
+            else:
+                out.append(done)
+        return tuple(out)
+
+    def item(it: Item) -> Item:
+        if isinstance(it, tuple):
+            return series(it)
+        if not isinstance(it, Parallel):
+            return it
+        branches = [item(b) for b in it.branches]
+        first = [b for b in branches if isinstance(b, int) and b in immediate]
+        rest = [b for b in branches if not (isinstance(b, int) and b in immediate)]
+        if not first:
+            return Parallel(tuple(branches))
+        if len(rest) > 1:
+            return (*first, Parallel(tuple(rest)))
+        return (*first, *rest)
+
+    return series(body)
 
 
 def _flatten(item: Item | tuple[Item, ...]) -> list[int]:

@@ -1,7 +1,8 @@
 """The step runner: walks a graph's precomputed plan, then runs every finalizer.
 
 Body: a series is awaited stage by stage in the current task (no task, no scheduling
-hop); only a :class:`~pipeline.kernel.plan.Parallel` or
+hop); only a :class:`~pipeline.kernel.plan.Parallel` (with more than one branch that
+may wait: the plan runs ``immediate`` stages first, in series) or
 :class:`~pipeline.kernel.plan.Dataflow` block opens an anyio task group. Each stage's
 result is checked against its ``provides`` and stored in the context. If a stage raises,
 its task group cancels the rest.
@@ -177,7 +178,7 @@ async def run_step(plan: StepPlan, ctx: StepContext) -> StepReport:
                     "context does not hold; pass it in StepContext(inputs=...)",
                     artifact=type_name(t),
                 )
-        await _run_series(plan.body, st)
+        await _run_series(plan.run_body, st)
     except BaseException as exc:
         body_exc = exc
         ctx.error = exc

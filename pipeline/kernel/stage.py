@@ -35,6 +35,7 @@ __all__ = [
     "as_stage",
     "is_collective",
     "is_finalizer",
+    "is_immediate",
     "stage",
 ]
 
@@ -58,6 +59,13 @@ class Stage(Protocol):
             tensor-parallel group (an all-reduce in the forward pass). A worker whose step
             failed before every collective stage completed is out of step with its group,
             so the failure is fatal to that worker; any other failure fails the step only.
+
+    Optional attribute (absent means ``False``; read with :func:`is_immediate`):
+        immediate: ``run`` returns without waiting on anything (it never suspends), as a
+            stage decides when it is built (``save`` without a connector). In a parallel
+            block the runner then runs it in the current task before the other
+            branches, and a block left with one branch that waits needs no task group.
+            A stage that does suspend anyway only loses its concurrency, never a result.
     """
 
     @property
@@ -145,6 +153,11 @@ def is_finalizer(obj: object) -> bool:
 def is_collective(obj: object) -> bool:
     """Whether stage ``obj`` declares collectives (``collective`` attribute is ``True``)."""
     return getattr(obj, "collective", False) is True
+
+
+def is_immediate(obj: object) -> bool:
+    """Whether stage ``obj`` never suspends (``immediate`` attribute is ``True``)."""
+    return getattr(obj, "immediate", False) is True
 
 
 @attrs.frozen

@@ -6,23 +6,40 @@ the next steps, two pools compete for the cores: on 2 cores a decode step of a 3
 model took 36 ms from a second thread against 23 ms from the thread that loaded it
 (``benchmarks/workers.py`` showed a worker process 1.7 times slower than the engine's own
 process for that reason). So a runner loads and runs every forward pass and sample on
-one dedicated thread; the event loop awaits it from anyio's thread pool, whose threads
-only wait.
+one dedicated thread. The event loop awaits a call without a second thread: the compute
+thread wakes the loop itself when the call ends (one hop there, one back), where
+awaiting the future from anyio's thread pool cost a pool thread's wake-up and hand-back
+on every forward pass and sample.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import anyio.to_thread
+import anyio
+import anyio.lowlevel
 
 __all__ = ["ComputeThread"]
 
 T = TypeVar("T")
+
+
+def _wake(call_soon: Callable[[Callable[[], object]], object], wake: Callable[[], None]) -> None:
+    """Run ``wake`` on the event loop; a loop that has closed meanwhile is not woken."""
+    with contextlib.suppress(RuntimeError):  # asyncio: loop closed; trio: RunFinishedError
+        call_soon(wake)
+
+
+def _threadsafe_call_soon() -> Callable[[Callable[[], object]], object]:
+    """The running event loop's thread-safe "call this soon" (asyncio or trio)."""
+    native: Any = anyio.lowlevel.current_token().native_token
+    call_soon = getattr(native, "call_soon_threadsafe", None)  # an asyncio loop
+    return call_soon if call_soon is not None else native.run_sync_soon  # a TrioToken
 
 
 class ComputeThread:
@@ -62,10 +79,17 @@ class ComputeThread:
         """Await ``fn(*args)`` on the thread without blocking the event loop.
 
         Not cancellable once submitted (like ``anyio.to_thread.run_sync``): a
-        cancellation waits for the call to finish, then propagates.
+        cancellation waits for the call to finish, then propagates. The compute thread
+        wakes the loop when the call ends (no thread in between).
         """
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        done = anyio.Event()
+        call_soon = _threadsafe_call_soon()
         future = self._pool.submit(contextvars.copy_context().run, fn, *args)
-        return await anyio.to_thread.run_sync(future.result)
+        future.add_done_callback(lambda _: _wake(call_soon, done.set))
+        with anyio.CancelScope(shield=True):
+            await done.wait()
+        return future.result()
 
     def close(self) -> None:
         """Stop the thread once its queued calls are done; idempotent.

@@ -18,6 +18,7 @@ import torch
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput
 from pipeline.errors import InvalidRequestError
 from stages.forward.attention import AttentionMetadata, build_attention_metadata
+from stages.forward.decode_inputs import DecodeInputs
 
 __all__ = ["BatchInputs", "RequestStates"]
 
@@ -60,6 +61,7 @@ class RequestStates:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self._tables: dict[str, list[int]] = {}
+        self._decode: DecodeInputs | None = None  # buffers of decode-only steps
 
     def __len__(self) -> int:
         return len(self._tables)
@@ -145,8 +147,26 @@ class RequestStates:
         return table
 
     def prepare(self, scheduler_output: SchedulerOutput, device: torch.device) -> BatchInputs:
-        """The inputs of a non-empty step whose requests :meth:`update` accepted."""
+        """The inputs of a non-empty step whose requests :meth:`update` accepted.
+
+        A decode-only step (one new token per request, each sampled, no prompt
+        logprobs) is written into buffers kept per batch shape (:class:`DecodeInputs`).
+        """
         requests = scheduler_output.requests
+        if scheduler_output.total_num_scheduled_tokens == len(requests) and all(
+            r.sample and not r.prompt_logprob_targets for r in requests
+        ):
+            if self._decode is None or self._decode.device != device:
+                self._decode = DecodeInputs(self.block_size, device)
+            input_ids, decode_meta, decode_rows = self._decode.build(requests, self._tables)
+            return BatchInputs(
+                input_ids=input_ids,
+                attn_meta=decode_meta,
+                sample_rows=decode_rows,
+                sample_req_ids=tuple(r.req_id for r in requests),
+                prompt_rows=None,
+                prompt_req_ids=(),
+            )
         ids = np.fromiter(
             (t for r in requests for t in r.token_ids),
             dtype=np.int64,

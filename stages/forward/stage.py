@@ -15,6 +15,26 @@ if TYPE_CHECKING:
 
 __all__ = ["ForwardStage", "SampleStage"]
 
+_PRESAMPLED = "forward.presampled"
+"""``ctx.scratch`` key: ``(model_output, SampledTokens | Exception)`` sampled by forward."""
+
+
+def _needs_sampling(model_output: ModelOutput) -> bool:
+    return bool(model_output.req_ids) or model_output.prompt_logits is not None
+
+
+def _forward_and_sample(
+    runner: ModelRunner, scheduler_output: SchedulerOutput, connector: KVConnectorWorker | None
+) -> tuple[ModelOutput, SampledTokens | Exception | None]:
+    """On the compute thread: the forward pass, then its sample (an error is kept)."""
+    model_output = runner.execute(scheduler_output, connector)
+    if not _needs_sampling(model_output):
+        return model_output, None
+    try:
+        return model_output, runner.sample(scheduler_output, model_output)
+    except Exception as exc:  # the sample stage raises it, as if it had sampled
+        return model_output, exc
+
 
 @attrs.frozen
 class ForwardStage:
@@ -24,6 +44,12 @@ class ForwardStage:
     connector is not handed to the pass, so its layer hooks are not called. On a
     tensor-parallel rank the pass all-reduces with the other ranks (``collective``): a
     step that fails before it completes is fatal to the worker.
+
+    With ``presample`` (the driver rank of the default graph), the same call on the
+    compute thread also samples the logits, and :class:`SampleStage` takes the result
+    from the step's context: one thread hop a step instead of two (a hop cost more than
+    the sampling of a small batch). The sampling time then shows in ``forward``'s
+    duration in the step log, and ``sample``'s is the hand-over.
     """
 
     name: ClassVar[str] = "forward"
@@ -33,13 +59,21 @@ class ForwardStage:
 
     runner: ModelRunner
     connector: KVConnectorWorker | None = None
+    presample: bool = False
 
     async def run(self, ctx: StepContext) -> ModelOutput:
         scheduler_output = ctx.get(SchedulerOutput)
         connector = self.connector if ctx.get(LoadStarted).started else None
         if scheduler_output.is_empty and connector is None:
             return self.runner.execute(scheduler_output, None)  # drops finished state only
-        return await self.runner.compute.run(self.runner.execute, scheduler_output, connector)
+        if not self.presample:
+            return await self.runner.compute.run(self.runner.execute, scheduler_output, connector)
+        model_output, sampled = await self.runner.compute.run(
+            _forward_and_sample, self.runner, scheduler_output, connector
+        )
+        if sampled is not None:
+            ctx.scratch[_PRESAMPLED] = (model_output, sampled)
+        return model_output
 
 
 @attrs.frozen
@@ -48,7 +82,8 @@ class SampleStage:
     computes the logprobs the requests asked for (sampled tokens, prompt tokens).
 
     Only the driver rank samples (``driver=True``); the other ranks return nothing, and
-    fan-in takes the driver's tokens.
+    fan-in takes the driver's tokens. When ``forward`` sampled already (its
+    ``presample``), this stage returns (or raises) what it got, without a thread hop.
     """
 
     name: ClassVar[str] = "sample"
@@ -60,8 +95,13 @@ class SampleStage:
 
     async def run(self, ctx: StepContext) -> SampledTokens:
         model_output = ctx.get(ModelOutput)
-        if not self.driver or (not model_output.req_ids and model_output.prompt_logits is None):
+        presampled = ctx.scratch.pop(_PRESAMPLED, None)
+        if not self.driver or not _needs_sampling(model_output):
             return SampledTokens()
+        if presampled is not None and presampled[0] is model_output:
+            if isinstance(presampled[1], Exception):
+                raise presampled[1]
+            return presampled[1]
         return await self.runner.compute.run(
             self.runner.sample, ctx.get(SchedulerOutput), model_output
         )

@@ -1,0 +1,160 @@
+"""A batch-1 decode step on a tiny model: kvstep against transformers (issue 15).
+
+One process, fp32, ``torch.set_num_threads(1)`` for every contender (kvstep's compute
+thread and transformers' loop alike), on one random 1-layer Llama (vocab 1,000, hidden
+size ``HIDDEN``) saved with ``save_pretrained``:
+
+* ``kvstep``: one request decoding ``tokens`` tokens through ``AsyncEngine`` (greedy,
+  ``ignore_eos``); the median gap between consecutive outputs of the stream, i.e. the
+  steady-state inter-token latency, which is one whole engine step (schedule, execute,
+  worker graph, forward, sample, fan-in, update, publish) per token;
+* ``bare``: ``model(input_ids, past_key_values=cache)`` of one token in a loop, the
+  next token by ``argmax`` of the logits (the least a decode step must do);
+* ``generate``: ``model.generate(max_new_tokens=tokens)`` per generated token.
+
+Rounds alternate the contenders so that they share any drift of a shared machine. The
+per-stage medians of kvstep's engine and worker steps come from the step log's
+listener (``StepLog.listeners``): where a step's time goes. Goal: kvstep <= 1.15x bare.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import tempfile
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from time import perf_counter_ns
+from typing import Any
+
+import anyio
+import torch
+from _models import save_random_llama
+
+HIDDEN = 64
+MODEL = dict(
+    vocab_size=1000,
+    hidden_size=HIDDEN,
+    intermediate_size=4 * HIDDEN,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
+PROMPT = [1, 17, 42, 99, 7, 3, 250, 11]
+GOAL_RATIO = 1.15
+
+
+def _bare_ms(model: Any, tokens: int) -> float:
+    """Median ms of one decode forward with a KV cache (after the prompt's prefill)."""
+    import transformers
+
+    cache = transformers.DynamicCache()
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values, renamed in 5.x
+        out = model(torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        samples = []
+        for _ in range(tokens):
+            t0 = perf_counter_ns()
+            out = model(token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            samples.append(perf_counter_ns() - t0)
+    return statistics.median(samples[tokens // 10 :]) / 1e6
+
+
+def _generate_ms(model: Any, tokens: int) -> float:
+    """Wall ms of ``generate(max_new_tokens=tokens)`` (greedy) per generated token."""
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        t0 = perf_counter_ns()
+        out = model.generate(
+            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0
+        )
+        elapsed = perf_counter_ns() - t0
+    return elapsed / (out.shape[1] - len(PROMPT)) / 1e6
+
+
+async def _kvstep_ms(engine: Any, tokens: int) -> float:
+    """Median ms between consecutive outputs of one request's stream (steady state)."""
+    from pipeline import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    stamps = []
+    async for _ in engine.generate(PROMPT, params):
+        stamps.append(perf_counter_ns())
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return statistics.median(gaps[len(gaps) // 10 :]) / 1e6
+
+
+def _stage_listener(sink: dict[str, list[float]]) -> Any:
+    def listen(report: Any, kind: str, fields: dict[str, Any]) -> None:
+        sink[f"{kind} step"].append(report.duration_s)
+        for s in report.stages:
+            sink[f"{kind}.{s.name}"].append(s.duration_s)
+
+    return listen
+
+
+async def _measure_async(path: Path, tokens: int, rounds: int) -> dict[str, Any]:
+    import transformers
+
+    from pipeline import AsyncEngine, EngineConfig
+
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = EngineConfig(model=str(path), dtype="float32", max_model_len=4096)
+    stages: dict[str, list[float]] = defaultdict(list)
+    samples: dict[str, list[float]] = {"kvstep": [], "bare": [], "generate": []}
+    async with AsyncEngine(config) as engine:
+        await _kvstep_ms(engine, 32)  # warm-up
+        _bare_ms(model, 32)
+        engine.core.step_log.listeners.append(_stage_listener(stages))
+        for _ in range(rounds):
+            samples["kvstep"].append(await _kvstep_ms(engine, tokens))
+            samples["bare"].append(_bare_ms(model, tokens))
+            samples["generate"].append(_generate_ms(model, tokens))
+    ms = {k: statistics.median(v) for k, v in samples.items()}
+    return {
+        **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
+        "ratio_kvstep_bare": round(ms["kvstep"] / ms["bare"], 3),
+        "ratio_generate_bare": round(ms["generate"] / ms["bare"], 3),
+        "stages_us": {k: round(statistics.median(v) * 1e6, 1) for k, v in stages.items()},
+    }
+
+
+def measure_decode_step(
+    tokens: int = 300, rounds: int = 5, backend: str = "asyncio"
+) -> dict[str, Any]:
+    """Build the model, run every contender in alternating rounds; ms per token each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            params = save_random_llama(Path(tmp), **MODEL)
+            row = anyio.run(_measure_async, Path(tmp), tokens, rounds, backend=backend)
+    finally:
+        torch.set_num_threads(threads)
+    return {"model": {**MODEL, "parameters": params}, "threads": 1, "dtype": "float32",
+            "backend": backend, "tokens": tokens, "rounds": rounds, "goal_ratio": GOAL_RATIO,
+            **row}  # fmt: skip
+
+
+def print_decode_step(row: dict[str, Any]) -> None:
+    m = row["model"]
+    print(
+        f"\nBatch-1 decode step (1 layer, vocab {m['vocab_size']}, hidden {m['hidden_size']}, "
+        f"fp32, 1 thread, {row['tokens']} tokens x {row['rounds']} rounds)"
+    )
+    headers = ("kvstep ms", "bare fwd ms", "generate ms", "kvstep/bare", "generate/bare")
+    cells = (f"{row['kvstep_ms']:.3f}", f"{row['bare_ms']:.3f}", f"{row['generate_ms']:.3f}",
+             f"{row['ratio_kvstep_bare']:.2f}x", f"{row['ratio_generate_bare']:.2f}x")  # fmt: skip
+    print("  ".join(f"{h:>13}" for h in headers))
+    print("  ".join(f"{c:>13}" for c in cells))
+    print(f"  goal: kvstep/bare <= {row['goal_ratio']}x; per-stage medians (µs):")
+    for name, us in row["stages_us"].items():
+        print(f"    {name:<24} {us:8.1f}")
+
+
+if __name__ == "__main__":
+    print_decode_step(measure_decode_step())

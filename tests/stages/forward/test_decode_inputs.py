@@ -1,0 +1,79 @@
+"""Decode-only steps: the buffered metadata equals the general builder's, field by field."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pipeline.artifacts import ScheduledRequest
+from pipeline.config import SamplingParams
+from stages.forward.attention import build_attention_metadata
+from stages.forward.decode_inputs import DecodeInputs
+
+CPU = torch.device("cpu")
+BS = 4
+
+
+def batch(ctx_lens: list[int]) -> tuple[list[ScheduledRequest], dict[str, list[int]]]:
+    rng = random.Random(sum(ctx_lens))
+    reqs = [
+        ScheduledRequest(
+            req_id=f"r{i}",
+            token_ids=(rng.randrange(100),),
+            num_computed_tokens=c,
+            block_ids=(),
+            new=False,
+            sampling=SamplingParams(),
+            sample=True,
+            num_output_tokens=1,
+        )
+        for i, c in enumerate(ctx_lens)
+    ]
+    tables = {r.req_id: rng.sample(range(64), c // BS + 1 + rng.randrange(2)) for r, c in
+              zip(reqs, ctx_lens, strict=True)}  # fmt: skip
+    return reqs, tables
+
+
+def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and bool((a == b).all())
+
+
+class TestDecodeInputs:
+    @pytest.mark.parametrize("ctx_lens", [[5], [3, 3], [0, 7, 12], [4, 4, 4, 9], [15]])
+    def test_matches_the_general_builder(self, ctx_lens: list[int]) -> None:
+        """Same rows, positions, slots, tables, lengths and decode batch as the builder."""
+        reqs, tables = batch(ctx_lens)
+        builder = DecodeInputs(BS, CPU)
+        for _ in range(2):  # the second build reuses the buffers
+            ids, meta, rows = builder.build(reqs, tables)
+            ref = build_attention_metadata(
+                query_lens=[1] * len(reqs),
+                context_lens=ctx_lens,
+                block_tables=[tables[r.req_id] for r in reqs],
+                block_size=BS,
+                device=CPU,
+            )
+            assert ids.tolist() == [r.token_ids[0] for r in reqs]
+            assert rows.tolist() == list(range(len(reqs)))
+            assert meta.num_tokens == ref.num_tokens and meta.prefills == ref.prefills == ()
+            for name in ("query_start_loc", "seq_lens", "positions", "slot_mapping",
+                         "block_tables"):  # fmt: skip
+                assert same(getattr(meta, name), getattr(ref, name)), name
+            d, rd = meta.decode, ref.decode
+            assert d is not None and rd is not None
+            assert (d.first_row, d.seq_len) == (rd.first_row, rd.seq_len)
+            assert same(d.token_rows, rd.token_rows) and same(d.block_table, rd.block_table)
+            assert same(d.mask, rd.mask)
+
+    def test_a_new_shape_gets_its_own_buffers(self) -> None:
+        """A longer context (one more block) does not reuse a narrower table."""
+        builder = DecodeInputs(BS, CPU)
+        reqs, tables = batch([3])
+        _, small, _ = builder.build(reqs, tables)
+        reqs, tables = batch([4])
+        _, wide, _ = builder.build(reqs, tables)
+        assert small.block_tables.shape == (1, 1) and wide.block_tables.shape == (1, 2)
