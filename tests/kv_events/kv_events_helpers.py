@@ -1,16 +1,60 @@
-"""Shared by the KV event tests: a subscriber drained up to the publisher's last batch,
-and one request run (optionally aborted) on an engine."""
+"""Shared by the KV event tests: a small engine with events on ``ipc`` sockets, a tier's
+scheduler half found inside ``multi``/``faulty``, a subscriber drained up to the
+publisher's last batch, and one request run (optionally aborted) on an engine."""
 
 from __future__ import annotations
 
 import time
+from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
-from pipeline import AsyncEngine, SamplingParams
-from pipeline.kv_events import KVBlockIndex, KVEvent, KVEventSubscriber, ZmqEventPublisher
+from connectors.multi import MultiScheduler
+from connectors.testing import FaultyConnector
+from pipeline import AsyncEngine, EngineConfig, SamplingParams
+from pipeline.kv_events import (
+    KVBlockIndex,
+    KVEvent,
+    KVEventsConfig,
+    KVEventSubscriber,
+    ZmqEventPublisher,
+)
 
 DRAIN_LIMIT_S = 30.0  # a bound on a hang, never a timing assertion
+BLOCK = 4
+T = TypeVar("T")
+
+
+def events_config(
+    directory: str, connector: str | None = None, options: dict[str, Any] | None = None
+) -> EngineConfig:
+    """A tiny engine (14 device blocks: prefixes are evicted and loaded back) with events
+    on ``ipc`` sockets under ``directory``."""
+    kv = KVEventsConfig(
+        endpoint=f"ipc://{directory}/events", replay_endpoint=f"ipc://{directory}/replay"
+    )
+    return EngineConfig(
+        block_size=BLOCK,
+        num_gpu_blocks=14,
+        max_model_len=48,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+        connector=connector,
+        connector_options=options or {},
+        kv_events=kv,
+    )
+
+
+def tier_of(engine: AsyncEngine, kind: type[T]) -> T:
+    """The engine's connector tier of type ``kind`` (alone, the first tier of multi, or
+    inside faulty)."""
+    connector: Any = engine.core.connector
+    if isinstance(connector, MultiScheduler):
+        connector = connector.tiers[0]
+    if isinstance(connector, FaultyConnector.Scheduler):
+        connector = connector.inner
+    assert isinstance(connector, kind)
+    return connector
 
 
 def drain(sub: KVEventSubscriber, pub: ZmqEventPublisher, index: KVBlockIndex) -> list[KVEvent]:

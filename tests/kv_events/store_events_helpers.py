@@ -7,11 +7,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import anyio
-from kv_events_helpers import PREFIXES, drain, run_request
+from kv_events_helpers import PREFIXES, drain, events_config, run_request, tier_of
 
-from connectors.multi import MultiScheduler
 from connectors.store import StoreScheduler
-from connectors.testing import FaultyConnector
 from pipeline import AsyncEngine, EngineConfig
 from pipeline.kv_events import (
     MEDIUM_GPU,
@@ -19,41 +17,19 @@ from pipeline.kv_events import (
     BlockStored,
     KVBlockIndex,
     KVEvent,
-    KVEventsConfig,
     KVEventSubscriber,
     external_block_hash,
 )
 
-BLOCK = 4
-
 
 def engine_config(directory: str, connector: str, options: dict[str, Any]) -> EngineConfig:
-    """A tiny engine (14 device blocks: prefixes are evicted and loaded back) with events
-    on ``ipc`` sockets under ``directory``."""
-    kv = KVEventsConfig(
-        endpoint=f"ipc://{directory}/events", replay_endpoint=f"ipc://{directory}/replay"
-    )
-    return EngineConfig(
-        block_size=BLOCK,
-        num_gpu_blocks=14,
-        max_model_len=48,
-        max_num_seqs=4,
-        max_num_batched_tokens=24,
-        connector=connector,
-        connector_options=options,
-        kv_events=kv,
-    )
+    """:func:`events_config` of ``connector`` (a store tier)."""
+    return events_config(directory, connector, options)
 
 
 def store_of(engine: AsyncEngine) -> StoreScheduler:
     """The store tier's scheduler half (alone, first tier of multi, or inside faulty)."""
-    connector = engine.core.connector
-    if isinstance(connector, MultiScheduler):
-        connector = connector.tiers[0]
-    if isinstance(connector, FaultyConnector.Scheduler):
-        connector = connector.inner
-    assert isinstance(connector, StoreScheduler)
-    return connector
+    return tier_of(engine, StoreScheduler)
 
 
 def device_hashes(engine: AsyncEngine) -> set[int]:

@@ -11,7 +11,7 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kv_events_helpers import PREFIXES, drain, requests, run_request
+from kv_events_helpers import BLOCK, PREFIXES, drain, events_config, requests, run_request, tier_of
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.multi import MultiScheduler
@@ -25,13 +25,11 @@ from pipeline.kv_events import (
     BlockStored,
     KVBlockIndex,
     KVEvent,
-    KVEventsConfig,
     KVEventSink,
     KVEventSubscriber,
     external_block_hash,
 )
 
-BLOCK = 4
 FP = ModelFingerprint(architecture="Llama", weights_id="w", dtype="float32", block_size=BLOCK)
 OFFLOAD = {"connector": "offload", "options": {"num_blocks": 6}}
 
@@ -41,29 +39,11 @@ def _digest(n: int) -> bytes:
 
 
 def _engine_config(directory: str, connector: str = "offload", **options: Any) -> EngineConfig:
-    kv = KVEventsConfig(
-        endpoint=f"ipc://{directory}/events", replay_endpoint=f"ipc://{directory}/replay"
-    )
-    return EngineConfig(
-        block_size=BLOCK,
-        num_gpu_blocks=14,
-        max_model_len=48,
-        max_num_seqs=4,
-        max_num_batched_tokens=24,
-        connector=connector,
-        connector_options=options or {"num_blocks": 6},
-        kv_events=kv,
-    )
+    return events_config(directory, connector, options or {"num_blocks": 6})
 
 
 def _offload_of(engine: AsyncEngine) -> OffloadScheduler:
-    connector = engine.core.connector
-    if isinstance(connector, MultiScheduler):
-        connector = connector.tiers[0]
-    if isinstance(connector, FaultyConnector.Scheduler):
-        connector = connector.inner
-    assert isinstance(connector, OffloadScheduler)
-    return connector
+    return tier_of(engine, OffloadScheduler)
 
 
 def _held(engine: AsyncEngine) -> dict[str, set[int]]:

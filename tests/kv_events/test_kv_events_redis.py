@@ -11,8 +11,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kv_events_helpers import requests
-from store_events_helpers import BLOCK, engine_config, run_waves, store_of, tier_events
+from kv_events_helpers import BLOCK, requests
+from store_events_helpers import engine_config, run_waves, store_of, tier_events
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.multi import MultiScheduler

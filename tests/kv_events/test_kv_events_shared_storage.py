@@ -10,9 +10,8 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kv_events_helpers import requests
+from kv_events_helpers import BLOCK, requests
 from store_events_helpers import (
-    BLOCK,
     engine_config,
     run_waves,
     store_of,
