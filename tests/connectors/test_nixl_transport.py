@@ -238,3 +238,31 @@ class TestDeadPeer:
             if proc.stdout is not None:
                 proc.stdout.close()
             consumer.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+class TestVRAM:
+    def test_a_read_between_cuda_caches_is_exact(self) -> None:
+        """CUDA caches are registered as VRAM (device id in the descriptors): remote
+        blocks 3, 5 land in local blocks 1, 6 of every layer's K and V on the GPU, and
+        nothing else is written. Needs UCX built with CUDA support."""
+        src = [t.cuda() for t in filled_cache()]
+        dst = [torch.zeros(SHAPE, device="cuda") for _ in range(2)]
+        producer, consumer = make_agent("prod", src), make_agent("cons", dst)
+        assert producer.info.mem_type == "VRAM" and consumer.info.mem_type == "VRAM"
+        assert producer.info.device_id == torch.cuda.current_device()
+        server = HandshakeServer(producer.info, "127.0.0.1", 0)
+        try:
+            consumer.add_peer(fetch_peer_info("127.0.0.1", server.port, 5.0))
+            handle = consumer.start_read("prod", [3, 5], [1, 6], NOTIF_PREFIX + b"req-1", 5.0)
+            wait_read(consumer, handle)
+            torch.cuda.synchronize()
+            for layer in range(2):
+                assert torch.equal(dst[layer][:, 1], src[layer][:, 3])
+                assert torch.equal(dst[layer][:, 6], src[layer][:, 5])
+                assert dst[layer][:, 0].abs().sum().item() == 0
+        finally:
+            server.close()
+            consumer.close()
+            producer.close()
