@@ -14,11 +14,13 @@ PROMPTS = [
 ]
 
 
-def engine_config(model: Path, connector: str | None, options: dict) -> EngineConfig:
-    """A float32 engine on ``model`` without prefix caching (every hit is the store's)."""
+def engine_config(
+    model: Path, connector: str | None, options: dict, dtype: str = "float32"
+) -> EngineConfig:
+    """An engine on ``model`` without prefix caching (every hit is the store's)."""
     return EngineConfig(
         model=str(model),
-        dtype="float32",
+        dtype=dtype,
         max_model_len=256,
         enable_prefix_caching=False,
         connector=connector,

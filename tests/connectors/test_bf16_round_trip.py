@@ -2,38 +2,19 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+from store_workload import PARAMS, PROMPTS, engine_config
 
-from pipeline import LLM, EngineConfig, SamplingParams
+from pipeline import LLM, EngineConfig
 
 BS = 16
-PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-def workload() -> list[list[int]]:
-    """Two prompts sharing three full blocks, one unrelated."""
-    rng = random.Random(11)
-    base = [rng.randrange(1, 256) for _ in range(48)]
-    return [
-        [*base, *[rng.randrange(1, 256) for _ in range(9)]],
-        [*base, *[rng.randrange(1, 256) for _ in range(21)]],
-        [rng.randrange(1, 256) for _ in range(40)],
-    ]
 
 
 def config(path: Path, connector: str | None, options: dict[str, Any]) -> EngineConfig:
-    return EngineConfig(
-        model=str(path),
-        dtype="bfloat16",
-        max_model_len=256,
-        enable_prefix_caching=False,
-        connector=connector,
-        connector_options=options,
-    )
+    return engine_config(path, connector, options, dtype="bfloat16")
 
 
 class TestBfloat16RoundTrip:
@@ -43,7 +24,7 @@ class TestBfloat16RoundTrip:
     ) -> None:
         """The second run loads every full block (bfloat16 frames) and its greedy
         tokens equal a run without any connector."""
-        prompts = workload()
+        prompts = PROMPTS
         with LLM(config(llama_path, None, {})) as llm:
             reference = [o.token_ids for o in llm.generate(prompts, PARAMS)]
         options: dict[str, Any] = (

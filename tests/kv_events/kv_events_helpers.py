@@ -26,12 +26,15 @@ T = TypeVar("T")
 
 
 def events_config(
-    directory: str, connector: str | None = None, options: dict[str, Any] | None = None
+    directory: str,
+    connector: str | None = None,
+    options: dict[str, Any] | None = None,
+    **events: Any,
 ) -> EngineConfig:
     """A tiny engine (14 device blocks: prefixes are evicted and loaded back) with events
-    on ``ipc`` sockets under ``directory``."""
+    on ``ipc`` sockets under ``directory`` (more ``KVEventsConfig`` fields in ``events``)."""
     kv = KVEventsConfig(
-        endpoint=f"ipc://{directory}/events", replay_endpoint=f"ipc://{directory}/replay"
+        endpoint=f"ipc://{directory}/events", replay_endpoint=f"ipc://{directory}/replay", **events
     )
     return EngineConfig(
         block_size=BLOCK,

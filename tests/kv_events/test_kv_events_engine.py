@@ -11,32 +11,27 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kv_events_helpers import DRAIN_LIMIT_S, PREFIXES, drain, requests, run_request
+from kv_events_helpers import (
+    BLOCK,
+    DRAIN_LIMIT_S,
+    PREFIXES,
+    drain,
+    events_config,
+    requests,
+    run_request,
+)
 
 from pipeline import LLM, AsyncEngine, EngineConfig, SamplingParams
 from pipeline.kv_events import (
     KVBlockIndex,
-    KVEventsConfig,
     KVEventSubscriber,
     external_block_hash,
     prompt_block_hashes,
 )
 
-BLOCK = 4
-
 
 def _config(directory: str, **events: object) -> EngineConfig:
-    kv = KVEventsConfig(
-        endpoint=f"ipc://{directory}/events", replay_endpoint=f"ipc://{directory}/replay", **events
-    )
-    return EngineConfig(
-        block_size=BLOCK,
-        num_gpu_blocks=14,
-        max_model_len=48,
-        max_num_seqs=4,
-        max_num_batched_tokens=24,
-        kv_events=kv,
-    )
+    return events_config(directory, **events)
 
 
 def _cached(engine: AsyncEngine) -> set[int]:
