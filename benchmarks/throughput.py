@@ -2,12 +2,18 @@
 
     python benchmarks/throughput.py [--prompts 16] [--prompt-len 256] [--new-tokens 64]
         [--dtypes float32 bfloat16]
+    python benchmarks/throughput.py --serving [--num-requests 64] [--request-rate 1]
+        [--batch 16] [--scenarios poisson saturation]
 
 Both run from this command, each in a fresh process of its own, on the same checkpoint,
 dtype and prompts (greedy, EOS not special), each once untimed and then ``--repeats``
 times (the best run counts). For each of ``--dtypes`` the table gives generated tokens/s
 of each engine and their ratio; with several dtypes it also gives kvstep's speed-up over
 its own run in the first dtype. JSON goes to ``benchmarks/results/throughput.json``.
+
+``--serving`` compares them as servers instead: arrivals over time, mixed lengths, shared
+prefixes, kvstep's ``AsyncEngine`` against a static-batch ``generate()`` loop, reporting
+throughput and TTFT/ITL p50/p99 (see ``_throughput_serving.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _throughput_serving as serving
 import torch
 from _models import save_random_llama
 from _results import RESULTS, save
@@ -180,7 +187,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=RESULTS / "throughput.json")
     parser.add_argument("--engine", choices=["both", "kvstep", "transformers"], default="both")
     parser.add_argument("--model-path", type=Path, default=None, help=argparse.SUPPRESS)
+    serving.add_arguments(parser)
     args = parser.parse_args(argv)
+
+    if args.serving and args.engine != "both":
+        return serving.child(args)
+    if args.serving:
+        return serving.compare(args, sys.argv[1:] if argv is None else argv, __file__, build_model)
 
     if args.engine != "both":  # a child process of the run below
         seconds, tokens = _run_one(args.engine, args.model_path, args)

@@ -139,6 +139,29 @@ def _check_routing(result: dict) -> None:
 
 CHECKS = {"serve.py": _check_serve, "routing.py": _check_routing}
 
+# throughput.py's serving mode: both scenarios, four requests, two per batch.
+SERVING_ARGS = [
+    "--serving",
+    "--num-requests",
+    "4",
+    "--request-rate",
+    "50",
+    "--batch",
+    "2",
+    "--num-prefixes",
+    "2",
+    "--prefix-words",
+    "4,8",
+    "--suffix-words",
+    "1,8",
+    "--output-tokens",
+    "2,4",
+    "--warmup",
+    "1",
+    "--check-requests",
+    "2",
+]
+
 
 def test_every_benchmark_is_covered() -> None:
     """Each script in benchmarks/ has a tiny-size invocation here (``_*`` are helpers)."""
@@ -151,9 +174,31 @@ def test_every_benchmark_is_covered() -> None:
 def test_benchmark_runs_and_writes_json(script: str, tmp_path: Path) -> None:
     """The script exits 0, prints its table and writes a JSON object (checked further
     where CHECKS has a check for it)."""
-    out = tmp_path / "result.json"
+    result = _run(script, TINY_ARGS[script], tmp_path / "result.json")
+    if script in CHECKS:
+        CHECKS[script](result)
+
+
+@pytest.mark.timeout(180)
+def test_throughput_serving_mode_runs(tmp_path: Path) -> None:
+    """``throughput.py --serving`` serves every request on both engines in both scenarios
+    and reports throughput, TTFT/ITL quantiles and the saturation ratio."""
+    result = _run("throughput.py", SERVING_ARGS, tmp_path / "result.json")
+    assert [run["scenario"] for run in result["runs"]] == ["poisson", "saturation"]
+    for run in result["runs"]:
+        for engine in ("kvstep", "transformers"):
+            row = run[engine]
+            assert 4 * 2 <= row["output_tokens"] <= 4 * 4
+            assert row["output_tok_s"] > 0
+            assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+            assert 0 < row["itl_p50_s"] <= row["itl_p99_s"]
+    assert result["saturation_ratio"] == result["runs"][1]["ratio"] > 0
+
+
+def _run(script: str, args: list[str], out: Path) -> dict:
+    """Run ``script`` with ``args``; it exits 0, prints, and writes a JSON object to ``out``."""
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *TINY_ARGS[script], "--json", str(out)],
+        [sys.executable, str(BENCHMARKS / script), *args, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=170,
@@ -162,5 +207,4 @@ def test_benchmark_runs_and_writes_json(script: str, tmp_path: Path) -> None:
     assert proc.stdout.strip()
     result = json.loads(out.read_text())
     assert isinstance(result, dict) and result
-    if script in CHECKS:
-        CHECKS[script](result)
+    return result
