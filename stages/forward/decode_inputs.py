@@ -3,7 +3,8 @@
 A step in which every request has exactly one new token (the steady state of decoding)
 needs no general metadata: rows, positions and sequence lengths are per-request numbers,
 and the decode batch is the whole batch. :class:`DecodeInputs` fills one preallocated set
-of arrays per batch shape (requests, blocks per request) in place and hands out tensors
+of arrays per batch shape (requests, blocks per request; the :data:`MAX_SHAPES` most
+recently used) in place and hands out tensors
 that view them (on CPU; a device copy elsewhere), instead of building ~25 temporary
 arrays and tensors per step as :func:`~stages.forward.attention.build_attention_metadata`
 does for a mixed batch. The metadata is the same, field for field.
@@ -23,7 +24,11 @@ import torch
 from pipeline.artifacts import ScheduledRequest
 from stages.forward.attention import AttentionMetadata, DecodeBatch
 
-__all__ = ["DecodeInputs"]
+__all__ = ["MAX_SHAPES", "DecodeInputs"]
+
+MAX_SHAPES = 16
+"""Buffer sets kept at most (the most recently used shapes): a server whose batch and
+context sizes keep changing must not keep one per shape it ever saw."""
 
 
 class _Buffers:
@@ -76,9 +81,12 @@ class DecodeInputs:
         ctx = [r.num_computed_tokens for r in requests]
         needed = [c // bs + 1 for c in ctx]  # blocks that hold context + the new token
         key = (len(requests), max(needed))
-        buf = self._buffers.get(key)
+        buf = self._buffers.pop(key, None)
         if buf is None:
-            buf = self._buffers[key] = _Buffers(*key, self.device)
+            if len(self._buffers) >= MAX_SHAPES:
+                del self._buffers[next(iter(self._buffers))]  # the least recently used
+            buf = _Buffers(*key, self.device)
+        self._buffers[key] = buf  # most recently used last
         buf.ids[:] = [r.token_ids[0] for r in requests]
         buf.pos[:] = ctx
         np.add(buf.pos, 1, out=buf.seq)

@@ -10,7 +10,7 @@ import torch
 from pipeline.artifacts import ScheduledRequest
 from pipeline.config import SamplingParams
 from stages.forward.attention import build_attention_metadata
-from stages.forward.decode_inputs import DecodeInputs
+from stages.forward.decode_inputs import MAX_SHAPES, DecodeInputs
 
 CPU = torch.device("cpu")
 BS = 4
@@ -77,3 +77,18 @@ class TestDecodeInputs:
         reqs, tables = batch([4])
         _, wide, _ = builder.build(reqs, tables)
         assert small.block_tables.shape == (1, 1) and wide.block_tables.shape == (1, 2)
+
+    def test_buffers_are_kept_for_the_most_recent_shapes_only(self) -> None:
+        """Ever new shapes (batch size, blocks per request) keep at most MAX_SHAPES
+        buffer sets, the least recently used dropped first; a kept one is reused."""
+        builder = DecodeInputs(BS, CPU)
+        first, tables = batch([3])
+        ids, _, _ = builder.build(first, tables)
+        for n in range(2, MAX_SHAPES + 1):  # MAX_SHAPES - 1 more shapes: all kept
+            builder.build(*batch([3] * n))
+        assert len(builder._buffers) == MAX_SHAPES
+        again, _, _ = builder.build(first, tables)  # still there: the same memory
+        assert again.data_ptr() == ids.data_ptr()
+        builder.build(*batch([3] * (MAX_SHAPES + 1)))  # evicts the oldest, [3] * 2
+        assert len(builder._buffers) == MAX_SHAPES
+        assert (2, 1) not in builder._buffers and (1, 1) in builder._buffers
