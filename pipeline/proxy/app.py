@@ -173,5 +173,10 @@ async def _health(request: Request) -> Response:
 
 async def _metrics(request: Request) -> Response:
     state: ProxyState = request.app.state.kvstep
-    text = state.metrics.render(state.pools)
+    indexed = {
+        url: router.index.num_blocks(url)
+        for router in state.routers
+        for url in (b.url for b in router.pool.backends)
+    }
+    text = state.metrics.render(state.pools, indexed)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pipeline.proxy.pool import BackendPool
@@ -57,11 +59,22 @@ class ProxyMetrics:
             ["backend"],
             registry=reg,
         )
+        self.indexed_blocks = Gauge(
+            "kvstep_proxy_indexed_blocks",
+            "Blocks the kv-aware policy's index holds for a backend (from its KV events)",
+            ["backend"],
+            registry=reg,
+        )
 
-    def render(self, pools: tuple[BackendPool, ...]) -> bytes:
-        """The Prometheus text exposition, after refreshing the healthy-backend gauges."""
+    def render(
+        self, pools: tuple[BackendPool, ...], indexed: Mapping[str, int] | None = None
+    ) -> bytes:
+        """The Prometheus text exposition, after refreshing the gauges: healthy and
+        in-flight per backend, and ``indexed`` (blocks indexed per backend URL)."""
         for pool in pools:
             self.healthy.labels(pool.name).set(pool.num_healthy)
             for backend in pool.backends:
                 self.in_flight.labels(pool.name, backend.url).set(backend.in_flight)
+        for url, blocks in (indexed or {}).items():
+            self.indexed_blocks.labels(url).set(blocks)
         return generate_latest(self.registry)

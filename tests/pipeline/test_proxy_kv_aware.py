@@ -130,6 +130,9 @@ class TestRouting:
             f'kvstep_proxy_routed_hit_blocks_total{{backend="{cluster.urls[1]}"}} 20.0' in metrics
         )
         assert "kvstep_proxy_route_decision_seconds_count 9.0" in metrics
+        for n, blocks in ((0, 2), (1, 4), (2, 2)):
+            want = f'kvstep_proxy_indexed_blocks{{backend="{cluster.urls[n]}"}} {blocks}.0'
+            assert want in metrics, want
 
     def test_removed_and_cleared_blocks_stop_attracting(self, cluster: Cluster) -> None:
         """Without its first block a replica holds no prefix of the prompt, whatever it

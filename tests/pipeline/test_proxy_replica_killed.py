@@ -84,15 +84,31 @@ def routed_hits(proxy: ServerProcess, url: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(want))
 
 
+def indexed_blocks(proxy: ServerProcess, url: str) -> float:
+    """The proxy's ``kvstep_proxy_indexed_blocks`` of backend ``url`` (0 before any)."""
+    text = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+    want = f'kvstep_proxy_indexed_blocks{{backend="{url}"}}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(want))
+
+
 def seed_tenants(
     proxy: ServerProcess, replicas: list[ServerProcess], rng: random.Random
 ) -> list[list[int]]:
-    """Each tenant's prefix, cached on its own replica; returns once the proxy routes a
-    request of each tenant to that replica by its cached blocks."""
+    """Each tenant's prefix, cached on its own replica only; returns once the proxy routes
+    a request of each tenant to that replica by its cached blocks.
+
+    Nothing goes through the proxy before its index holds every replica's prefix (its
+    ``kvstep_proxy_indexed_blocks``): a request routed before the events arrived would
+    land anywhere and cache its tenant's prefix on a second replica too, and the tenants'
+    requests would then split between the two."""
     prefixes = [[rng.randrange(1, 500) for _ in range(PREFIX_TOKENS)] for _ in range(TENANTS)]
     assert len(prompt_block_hashes(prefixes[0], 16)) == PREFIX_TOKENS // 16
     for prefix, replica in zip(prefixes, replicas, strict=True):
         complete(replica.url, prefix)
+    deadline = time.monotonic() + 20
+    while any(indexed_blocks(proxy, r.url) < PREFIX_TOKENS // 16 for r in replicas):
+        assert time.monotonic() < deadline, "the proxy never indexed the replicas' events"
+        time.sleep(0.1)
     for prefix, replica in zip(prefixes, replicas, strict=True):
         deadline = time.monotonic() + 20
         while routed_hits(proxy, replica.url) < PREFIX_TOKENS // 16:
