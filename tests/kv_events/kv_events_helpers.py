@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from connectors.multi import MultiScheduler
@@ -23,6 +24,17 @@ from pipeline.kv_events import (
 DRAIN_LIMIT_S = 30.0  # a bound on a hang, never a timing assertion
 BLOCK = 4
 T = TypeVar("T")
+
+
+def engine_examples(max_examples: int) -> settings:
+    """Hypothesis settings of a test whose every example runs an engine: no deadline,
+    and no shrinking (a failing example is reported as found)."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 
 
 def events_config(

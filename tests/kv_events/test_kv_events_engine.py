@@ -9,13 +9,14 @@ from pathlib import Path
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kv_events_helpers import (
     BLOCK,
     DRAIN_LIMIT_S,
     PREFIXES,
     drain,
+    engine_examples,
     events_config,
     requests,
     run_request,
@@ -45,12 +46,7 @@ request_st = requests(max_tokens=6, abort_after=3)
 
 class TestExactness:
     # No shrinking: every example runs an engine, and a failing one is reported as found.
-    @settings(
-        max_examples=5,
-        deadline=None,
-        phases=[Phase.explicit, Phase.reuse, Phase.generate],
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+    @engine_examples(5)
     @given(waves=st.lists(st.lists(request_st, min_size=1, max_size=4), min_size=1, max_size=3))
     def test_index_from_events_equals_the_pools_cache(self, waves) -> None:
         """Random waves of requests (evictions, preemptions, aborts): the index rebuilt from

@@ -9,9 +9,18 @@ from typing import Any, NamedTuple
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from kv_events_helpers import BLOCK, PREFIXES, drain, events_config, requests, run_request, tier_of
+from kv_events_helpers import (
+    BLOCK,
+    PREFIXES,
+    drain,
+    engine_examples,
+    events_config,
+    requests,
+    run_request,
+    tier_of,
+)
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.multi import MultiScheduler
@@ -203,12 +212,7 @@ request_st = requests(max_tokens=5, abort_after=2)
 
 class TestExactness:
     # No shrinking: every example runs an engine, and a failing one is reported as found.
-    @settings(
-        max_examples=3,
-        deadline=None,
-        phases=[Phase.explicit, Phase.reuse, Phase.generate],
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+    @engine_examples(3)
     @given(
         waves=st.lists(st.lists(request_st, min_size=1, max_size=4), min_size=2, max_size=3),
         async_load=st.booleans(),

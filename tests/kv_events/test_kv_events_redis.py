@@ -9,9 +9,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from kv_events_helpers import BLOCK, requests
+from kv_events_helpers import BLOCK, engine_examples, requests
 from store_events_helpers import engine_config, run_waves, store_of, tier_events
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
@@ -53,12 +53,7 @@ def _contents(engine: AsyncEngine) -> set[bytes]:
 
 class TestExactness:
     # No shrinking: every example runs an engine, and a failing one is reported as found.
-    @settings(
-        max_examples=3,
-        deadline=None,
-        phases=[Phase.explicit, Phase.reuse, Phase.generate],
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+    @engine_examples(3)
     @given(waves=st.lists(st.lists(request_st, min_size=1, max_size=4), min_size=2, max_size=3))
     def test_index_equals_the_servers_keys(self, redis_server, waves) -> None:
         """Random waves (device evictions, loads from the server, aborts), no TTL: after

@@ -8,9 +8,9 @@ import functools
 import tempfile
 from pathlib import Path
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from kv_events_helpers import BLOCK, requests
+from kv_events_helpers import BLOCK, engine_examples, requests
 from store_events_helpers import (
     engine_config,
     run_waves,
@@ -75,12 +75,7 @@ request_st = requests(max_tokens=5, abort_after=2)
 
 class TestExactness:
     # No shrinking: every example runs an engine, and a failing one is reported as found.
-    @settings(
-        max_examples=4,
-        deadline=None,
-        phases=[Phase.explicit, Phase.reuse, Phase.generate],
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+    @engine_examples(4)
     @given(
         waves=st.lists(st.lists(request_st, min_size=1, max_size=4), min_size=2, max_size=3),
         cap=st.sampled_from([2, 4, 8]),
