@@ -17,6 +17,7 @@ from pipeline.logprobs import TokenLogprob
 from pipeline.request import RequestOutput
 
 __all__ = [
+    "PLACEHOLDER_TOKEN",
     "EngineStepOutput",
     "FanInOutput",
     "KVStats",
@@ -30,6 +31,13 @@ __all__ = [
     "SchedulerOutput",
     "WorkerOutput",
 ]
+
+
+PLACEHOLDER_TOKEN = -1
+"""In a step scheduled ahead (async scheduling), the last entry of a request's
+``ScheduledRequest.token_ids`` when that token is the one the step before samples. The
+engine replaces it with the sampled token before the step reaches a worker; a worker
+never sees it."""
 
 
 @attrs.frozen(kw_only=True)

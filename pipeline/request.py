@@ -70,6 +70,7 @@ class Request:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_external_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prefix_cached_tokens",
         "num_prompt_tokens",
@@ -99,6 +100,9 @@ class Request:
         self.num_external_computed_tokens = 0
         self.num_prefix_cached_tokens = 0  # of num_cached_tokens, from the local prefix cache
         self.num_preemptions = 0
+        # Tokens sampled in steps scheduled but not yet applied (async scheduling): the
+        # scheduler counts them as known when it plans the next step.
+        self.num_output_placeholders = 0
         # time.monotonic() of the request's milestones, set by the scheduler.
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

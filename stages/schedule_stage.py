@@ -6,8 +6,10 @@ outputs) is :mod:`stages.fan_in`.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, ClassVar
 
+import anyio
 import attrs
 
 from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
@@ -16,12 +18,49 @@ from pipeline.kernel.context import StepContext
 if TYPE_CHECKING:
     from stages.schedule.scheduler import Scheduler
 
-__all__ = ["ScheduleStage", "UpdateStage"]
+__all__ = ["AHEAD", "ScheduleStage", "StepLink", "UpdateStage"]
+
+
+AHEAD = "schedule.ahead"
+"""``ctx.scratch`` key of the engine step's :class:`StepLink` (async scheduling only)."""
+
+
+@attrs.define(eq=False)
+class StepLink:
+    """How an engine step follows the one before it when steps are scheduled ahead.
+
+    The engine puts one in each step's ``ctx.scratch[AHEAD]``; ``schedule`` sets
+    ``scheduled`` once the step is planned (the engine may then plan the next one), and
+    the engine sets ``done`` (with ``failed``) once the step's outputs are applied or
+    its requests failed.
+
+    Attributes:
+        previous: The step planned before this one, while it may still run; ``schedule``
+            drops the reference once it has waited for it.
+        scheduled: Set once this step is planned (or ended without a plan).
+        done: Set once this step's outputs are applied, or its requests failed.
+        failed: This step's body failed (set before ``done``).
+        waited_s: How long ``schedule`` waited for the previous step (step log).
+    """
+
+    previous: StepLink | None = None
+    scheduled: anyio.Event = attrs.field(factory=anyio.Event)
+    done: anyio.Event = attrs.field(factory=anyio.Event)
+    failed: bool = False
+    waited_s: float = 0.0
 
 
 @attrs.frozen
 class ScheduleStage:
-    """Runs the scheduler: which requests advance this step and by how many tokens."""
+    """Runs the scheduler: which requests advance this step and by how many tokens.
+
+    With a :class:`StepLink` in the step's scratch (the engine's async scheduling), the
+    step is planned at once, possibly while the previous step still runs; the stage
+    then waits for that step to be applied and returns the plan resolved against it
+    (:meth:`Scheduler.resolve_ahead <stages.schedule.scheduler.Scheduler.resolve_ahead>`:
+    placeholders filled in, ended requests out). Its duration in the step log then
+    includes that wait (``StepLink.waited_s``).
+    """
 
     name: ClassVar[str] = "schedule"
     requires: ClassVar[tuple[type, ...]] = ()
@@ -30,7 +69,19 @@ class ScheduleStage:
     scheduler: Scheduler
 
     async def run(self, ctx: StepContext) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        output = self.scheduler.schedule()
+        link: StepLink | None = ctx.scratch.get(AHEAD)
+        if link is None:
+            return output
+        link.scheduled.set()
+        previous, link.previous = link.previous, None
+        if previous is None:
+            return output
+        if not previous.done.is_set():
+            start = time.perf_counter()
+            await previous.done.wait()
+            link.waited_s = time.perf_counter() - start
+        return self.scheduler.resolve_ahead(output, previous_failed=previous.failed)
 
 
 @attrs.frozen

@@ -17,6 +17,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.config import EngineConfig, SamplingParams
+from pipeline.engine.ahead import StepLoopError, StepsAhead, unwrap_loop_error
 from pipeline.engine.core import EngineCore, GraphArg
 from pipeline.engine.inputs import check_one_prompt, check_sampling_params
 from pipeline.errors import (
@@ -285,20 +286,57 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
 
+    async def _idle(self) -> None:
+        with anyio.move_on_after(0.05):  # also polls aborts from other threads
+            await self._wakeup.wait()
+        self._wakeup = anyio.Event()
+
+    async def _steps_in_series(self, core: EngineCore) -> None:
+        while True:
+            self._apply_aborts(core)
+            if not core.has_work():
+                await self._idle()
+                continue
+            result = await core.step()
+            self.num_steps += 1
+            self._publish(result.outputs)
+            await anyio.lowlevel.checkpoint()
+
+    async def _steps_ahead(self, core: EngineCore) -> None:
+        """Async scheduling: step N+1 is planned as soon as step N is, runs once N is
+        applied, and N's outputs reach their streams while N+1 runs
+        (:class:`~pipeline.engine.ahead.StepsAhead`)."""
+        async with anyio.create_task_group() as tg:
+            ahead = StepsAhead(core, tg)
+            try:
+                while True:
+                    self._apply_aborts(core)
+                    if ahead.can_start() and core.has_work():
+                        await ahead.start()
+                        continue
+                    if not ahead.running:
+                        await self._idle()
+                        continue
+                    result = await ahead.next_result()
+                    self.num_steps += 1
+                    self._publish(result.outputs)
+                    await anyio.lowlevel.checkpoint()
+            except Exception as exc:  # a step failed the engine: stop the one after it
+                tg.cancel_scope.cancel()
+                raise StepLoopError(exc) from exc
+
     async def _loop(self) -> None:
         core = self.core
         try:
-            while True:
-                self._apply_aborts(core)
-                if not core.has_work():
-                    with anyio.move_on_after(0.05):  # also polls aborts from other threads
-                        await self._wakeup.wait()
-                    self._wakeup = anyio.Event()
-                    continue
-                result = await core.step()
-                self.num_steps += 1
-                self._publish(result.outputs)
-                await anyio.lowlevel.checkpoint()
+            try:
+                if core.async_scheduling:
+                    await self._steps_ahead(core)
+                else:
+                    await self._steps_in_series(core)
+            except BaseExceptionGroup as group:  # the task group of _steps_ahead
+                raise unwrap_loop_error(group) from None
+            except StepLoopError as wrapped:
+                raise wrapped.error from None
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:

@@ -39,6 +39,7 @@ from stages.fan_in import FanInAggregator
 from stages.forward.builtin import tokenizer_dir
 from stages.graphs import default_engine_graph
 from stages.schedule.scheduler import Scheduler
+from stages.schedule_stage import AHEAD, StepLink
 
 __all__ = ["EngineCore", "GraphArg"]
 
@@ -117,6 +118,7 @@ class EngineCore:
                 fan_in_timeout_s=config.fan_in_timeout_s,
             ),
         )
+        self.async_scheduling = config.uses_async_scheduling
         self._ids = itertools.count()
         self._closed = False
         try:  # last: nothing after it can fail and leave its thread running
@@ -230,8 +232,13 @@ class EngineCore:
 
     # --------------------------------------------------------------------- step
 
-    async def step(self) -> EngineStepOutput:
+    async def step(self, link: StepLink | None = None) -> EngineStepOutput:
         """Run one engine step: ``schedule → execute → fan_in → update ⟂ fail_step``.
+
+        With ``link`` (async scheduling, :attr:`async_scheduling`), the step is planned
+        at once and runs after ``link.previous`` is applied; ``link.scheduled`` is set
+        once it is planned (the caller may then start the next step) and ``link.done``
+        once its outputs are applied or its requests failed, before the step record.
 
         A failing step fails its own requests, not the engine: the graph's ``fail_step``
         finalizer (:class:`~stages.fail_step.FailStepStage`) fails them and leaves their
@@ -245,6 +252,8 @@ class EngineCore:
         """
         self._raise_if_dead()
         ctx = StepContext(self.scheduler.next_step_id, None)
+        if link is not None:
+            ctx.scratch[AHEAD] = link
         with bind_step(ctx.step_id):
             try:
                 try:
@@ -264,6 +273,11 @@ class EngineCore:
                     _log.error("step_finalizers_failed", step_id=ctx.step_id, error=repr(exc))
             finally:
                 self._add_text(ctx)
+                if link is not None:
+                    link.previous = None
+                    link.failed = ctx.error is not None or ctx.maybe(EngineStepOutput) is None
+                    link.scheduled.set()
+                    link.done.set()
                 if self.kv_events is not None:
                     self.kv_events.flush()
                 if ctx.report is not None:

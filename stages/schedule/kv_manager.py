@@ -6,7 +6,9 @@ the prefix cache when they are allocated for tokens computed in the current step
 vLLM V1 does), so a request scheduled later in the same step can already hit them; the
 forward pass therefore writes a layer's KV for the whole batch before attention reads
 it. If that step fails, :meth:`KVCacheManager.uncache_step_blocks` takes those entries
-back out so nobody reuses KV that was never written.
+back out so nobody reuses KV that was never written. The entries are remembered per
+step until the step's output is applied (:meth:`KVCacheManager.forget_step`), so with
+a step scheduled ahead (async scheduling) a failure of either step finds them.
 
 Synchronous bookkeeping owned by one scheduler; not thread-safe, never blocks.
 """
@@ -21,7 +23,7 @@ from pipeline.errors import InvalidConfigError
 from pipeline.request import Request
 from stages.schedule.block_pool import BlockPool, KVCacheBlock
 
-__all__ = ["ComputedBlocks", "KVCacheManager"]
+__all__ = ["MAX_UNAPPLIED_STEPS", "ComputedBlocks", "KVCacheManager"]
 
 
 class ComputedBlocks(NamedTuple):
@@ -29,6 +31,11 @@ class ComputedBlocks(NamedTuple):
 
     blocks: list[KVCacheBlock]
     num_computed_tokens: int
+
+
+MAX_UNAPPLIED_STEPS = 4
+"""Steps whose prefix-cache registrations :class:`KVCacheManager` remembers until
+their output is applied (async scheduling keeps at most two unapplied)."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -51,7 +58,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        # Blocks each request registered in the prefix cache since start_step().
+        # Per step not yet applied (oldest first): the blocks each request registered
+        # in the prefix cache while that step was planned.
+        self._unapplied: dict[int, dict[str, list[tuple[KVCacheBlock, bytes]]]] = {}
         self._step_cached: dict[str, list[tuple[KVCacheBlock, bytes]]] = {}
 
     @property
@@ -168,19 +177,32 @@ class KVCacheManager:
             self._num_cached_blocks[req_id] = min(self._num_cached_blocks[req_id], first)
         return self.block_pool.uncache(blocks[first:])
 
-    def start_step(self) -> None:
-        """Begin a new step: forget which blocks the previous step registered."""
-        self._step_cached.clear()
+    def start_step(self, step_id: int) -> None:
+        """Begin planning step ``step_id``: its registrations are recorded apart.
+
+        The records of the most recent :data:`MAX_UNAPPLIED_STEPS` steps whose output
+        was not applied are kept (a failed step's never are; the bound drops them).
+        """
+        self._step_cached = {}
+        self._unapplied[step_id] = self._step_cached
+        while len(self._unapplied) > MAX_UNAPPLIED_STEPS:
+            del self._unapplied[next(iter(self._unapplied))]
+
+    def forget_step(self, step_id: int) -> None:
+        """Step ``step_id``'s output was applied: its KV is written, its registrations
+        stay for good."""
+        self._unapplied.pop(step_id, None)
 
     def uncache_step_blocks(self, req_id: str) -> int:
-        """Take the blocks ``req_id`` registered in the prefix cache this step back out
-        (the step failed: their KV was never written). Call it before freeing the
-        request; it also works after (an abort raced the failure). Returns how many
-        entries were removed."""
+        """Take the blocks ``req_id`` registered in the prefix cache in the steps not
+        yet applied back out (a step failed: their KV was never written, or is not
+        known to be). Call it before freeing the request; it also works after (an
+        abort raced the failure). Returns how many entries were removed."""
         removed = 0
-        for block, block_hash in self._step_cached.pop(req_id, []):
-            if block.block_hash == block_hash:
-                removed += self.block_pool.uncache([block])
+        for records in self._unapplied.values():
+            for block, block_hash in records.pop(req_id, []):
+                if block.block_hash == block_hash:
+                    removed += self.block_pool.uncache([block])
         return removed
 
     def free(self, request: Request) -> None:

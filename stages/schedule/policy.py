@@ -10,6 +10,13 @@ the connector's external match, allocation, ``update_state_after_alloc``. A requ
 connector loads asynchronously is parked in ``WAITING_FOR_REMOTE_KVS`` instead of
 running. ``num_computed_tokens`` is advanced when a request is scheduled, so the next
 step can schedule its next token.
+
+A step may be planned before the previous one's outputs are applied (async
+scheduling): a request that samples in a step counts one output placeholder until its
+token is applied, and the next step schedules that token as
+:data:`~pipeline.artifacts.PLACEHOLDER_TOKEN` (the engine fills it in before the step
+runs, :mod:`stages.schedule.lookahead`). A request whose placeholder would reach
+``max_tokens`` or the longest length is not scheduled ahead: it finishes with it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import NamedTuple
 
 import attrs
 
-from pipeline.artifacts import ScheduledRequest, SchedulerOutput
+from pipeline.artifacts import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from pipeline.logs import get_logger
 from pipeline.request import Request, RequestStatus
 from stages.schedule.kv_manager import ComputedBlocks
@@ -37,10 +44,13 @@ class SchedulingLimits:
     Attributes:
         max_num_seqs: Most requests running at once.
         max_num_batched_tokens: Tokens computed in one step, over all requests.
+        max_len: Tokens a request may reach (``max_model_len``, at most the pool's
+            capacity); a request is not scheduled ahead past it.
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_len: int | None = None
 
 
 class _RunningPass(NamedTuple):
@@ -65,9 +75,9 @@ def plan_step(state: SchedulerState, limits: SchedulingLimits, step_id: int) -> 
     The returned output has no connector metadata yet; the caller adds it. Synchronous;
     calls the connector's scheduler hooks, which must not block.
     """
-    state.kv.start_step()
+    state.kv.start_step(step_id)
     scheduled: list[ScheduledRequest] = []
-    running = _schedule_running(state, limits.max_num_batched_tokens, scheduled)
+    running = _schedule_running(state, limits, scheduled)
     if not running.preempted:
         _schedule_waiting(state, limits, running.budget, scheduled)
     finished = frozenset(state.finished_req_ids)
@@ -75,15 +85,28 @@ def plan_step(state: SchedulerState, limits: SchedulingLimits, step_id: int) -> 
     return SchedulerOutput(step_id=step_id, requests=tuple(scheduled), finished_req_ids=finished)
 
 
+def _ahead_done(request: Request, limits: SchedulingLimits) -> bool:
+    """Whether ``request``'s pending placeholders already end it (``max_tokens`` or the
+    longest length): scheduling it again would only compute a token to drop."""
+    pending = request.num_output_placeholders
+    if not pending:
+        return False
+    if request.num_output_tokens + pending >= request.sampling_params.max_tokens:
+        return True
+    return limits.max_len is not None and request.num_tokens + pending >= limits.max_len
+
+
 def _schedule_running(
-    state: SchedulerState, budget: int, scheduled: list[ScheduledRequest]
+    state: SchedulerState, limits: SchedulingLimits, scheduled: list[ScheduledRequest]
 ) -> _RunningPass:
+    budget = limits.max_num_batched_tokens
     preempted = False
     index = 0
     while index < len(state.running) and budget > 0:
         request = state.running[index]
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if num_new <= 0:
+        known = request.num_tokens + request.num_output_placeholders
+        num_new = min(known - request.num_computed_tokens, budget)
+        if num_new <= 0 or _ahead_done(request, limits):
             index += 1
             continue
         while (new_blocks := state.kv.allocate_slots(request, num_new)) is None:
@@ -214,20 +237,30 @@ def _admission(state: SchedulerState, request: Request) -> _Admission | None:
 
 
 def _schedule(state: SchedulerState, request: Request, num_new: int) -> ScheduledRequest:
-    """Describe ``request``'s share of this step and advance its computed tokens."""
+    """Describe ``request``'s share of this step and advance its computed tokens.
+
+    Tokens past ``request.num_tokens`` (sampled by a step whose output is not applied
+    yet) are sent as :data:`PLACEHOLDER_TOKEN`; a request that samples in this step
+    counts one more placeholder until :func:`~stages.schedule.update.apply_output`.
+    """
     req_id = request.request_id
     block_ids = state.kv.get_block_ids(req_id)
     num_sent = state.sent_blocks.get(req_id)
     start = request.num_computed_tokens
+    pending = request.num_output_placeholders
+    token_ids = tuple(request.all_token_ids[start : start + num_new])
+    if len(token_ids) < num_new:
+        token_ids += (PLACEHOLDER_TOKEN,) * (num_new - len(token_ids))
+    sample = start + num_new == request.num_tokens + pending
     item = ScheduledRequest(
         req_id=req_id,
-        token_ids=tuple(request.all_token_ids[start : start + num_new]),
+        token_ids=token_ids,
         num_computed_tokens=start,
         block_ids=tuple(block_ids if num_sent is None else block_ids[num_sent:]),
         new=num_sent is None,
         sampling=request.sampling_params,
-        sample=start + num_new == request.num_tokens,
-        num_output_tokens=request.num_output_tokens,
+        sample=sample,
+        num_output_tokens=request.num_output_tokens + pending,
         prefix_token_ids=(
             tuple(request.all_token_ids[:start])
             if num_sent is None and request.sampling_params.needs_history
@@ -245,4 +278,6 @@ def _schedule(state: SchedulerState, request: Request, num_new: int) -> Schedule
     )
     state.sent_blocks[req_id] = len(block_ids)
     request.num_computed_tokens = start + num_new
+    if sample:
+        request.num_output_placeholders = pending + 1
     return item

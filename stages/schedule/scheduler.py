@@ -29,6 +29,7 @@ from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
 from stages.schedule.hashing import BlockHasher
 from stages.schedule.kv_manager import KVCacheManager
+from stages.schedule.lookahead import resolve_ahead
 from stages.schedule.policy import SchedulingLimits, plan_step
 from stages.schedule.spec import SchedulerSpec
 from stages.schedule.state import SchedulerState, make_output
@@ -68,11 +69,14 @@ class Scheduler:
             hasher=BlockHasher(block_size, spec.hash_seed),
             connector=connector,
         )
+        max_len = min(spec.max_model_len, num_blocks * block_size)
         self._limits = SchedulingLimits(
-            max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens
+            max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            max_len=max_len,
         )
         self._update_policy = UpdatePolicy(
-            max_model_len=min(spec.max_model_len, num_blocks * block_size),
+            max_model_len=max_len,
             block_size=block_size,
             load_failure_policy=spec.load_failure_policy,
         )
@@ -215,6 +219,13 @@ class Scheduler:
             output = attrs.evolve(output, kv_connector_metadata=metadata)
         return output
 
+    def resolve_ahead(self, output: SchedulerOutput, *, previous_failed: bool) -> SchedulerOutput:
+        """The step ``output``, planned while the step before it ran (async scheduling),
+        as it runs now that the step before was applied or failed: placeholders filled
+        in, ended requests out, and run empty after a failure
+        (:func:`~stages.schedule.lookahead.resolve_ahead`)."""
+        return resolve_ahead(self._state, output, previous_failed=previous_failed)
+
     def _drop_step(self, output: SchedulerOutput, exc: Exception) -> SchedulerOutput:
         """``build_connector_meta`` raised: the step's requests fail alone (their outputs
         come with the next update) and the step runs empty, without metadata."""
@@ -253,6 +264,7 @@ class Scheduler:
                 f"fan-in output of step {output.step_id} does not match this step",
             )
         outputs = apply_output(self._state, scheduler_output, output, self._update_policy)
+        self._state.kv.forget_step(scheduler_output.step_id)
         return self._take_pending(outputs)
 
     def _take_pending(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -78,6 +78,8 @@ def apply_output(
     for item in scheduler_output.requests:
         req_id = item.req_id
         request = state.requests.get(req_id)
+        if item.sample and request is not None and request.num_output_placeholders:
+            request.num_output_placeholders -= 1  # this step's token: applied or never
         if request is None or request.status != RequestStatus.RUNNING:
             if req_id in output.sampled_token_ids:
                 log.debug("token of a request no longer running dropped", req_id=req_id)

@@ -9,7 +9,7 @@ from pipeline.errors import InvalidConfigError
 from pipeline.request import Request
 from stages.schedule.block_pool import BlockPool
 from stages.schedule.hashing import BlockHasher
-from stages.schedule.kv_manager import KVCacheManager
+from stages.schedule.kv_manager import MAX_UNAPPLIED_STEPS, KVCacheManager
 
 
 def _hash(i: int) -> bytes:
@@ -176,15 +176,36 @@ class TestKVCacheManager:
         assert kv.block_pool.free_block_ids() == [3, 2, 1, 0]
 
     def test_uncache_step_blocks_forgets_this_steps_entries(self) -> None:
-        """Blocks a request cached this step leave the cache; older entries stay."""
+        """Blocks a request cached this step leave the cache; entries of steps whose
+        output was applied stay."""
         hasher = BlockHasher(4)
         kv = KVCacheManager(8, 4)
         request = _request("a", list(range(8)), hasher)
-        kv.start_step()
+        kv.start_step(0)
         kv.allocate_slots(request, 4)
+        kv.forget_step(0)
         request.num_computed_tokens = 4
-        kv.start_step()
+        kv.start_step(1)
         kv.allocate_slots(request, 4)
         assert kv.block_pool.num_cached_blocks == 2
         assert kv.uncache_step_blocks("a") == 1
         assert [b.block_hash is not None for b in kv.get_blocks("a")] == [True, False]
+
+    def test_uncache_step_blocks_reaches_a_step_not_yet_applied(self) -> None:
+        """With a step scheduled ahead (its predecessor's output not applied yet), the
+        entries of both unapplied steps leave the cache; the bound keeps the records
+        of at most MAX_UNAPPLIED_STEPS steps."""
+        hasher = BlockHasher(4)
+        kv = KVCacheManager(8, 4)
+        request = _request("a", list(range(8)), hasher)
+        kv.start_step(0)
+        kv.allocate_slots(request, 4)
+        request.num_computed_tokens = 4
+        kv.start_step(1)
+        kv.allocate_slots(request, 4)
+        assert kv.block_pool.num_cached_blocks == 2
+        assert kv.uncache_step_blocks("a") == 2
+        assert [b.block_hash is not None for b in kv.get_blocks("a")] == [False, False]
+        for step in range(2, 2 + MAX_UNAPPLIED_STEPS):
+            kv.start_step(step)
+        assert len(kv._unapplied) == MAX_UNAPPLIED_STEPS

@@ -1,0 +1,83 @@
+"""Resolving a step that was scheduled ahead (async scheduling).
+
+With async scheduling the engine plans step N+1 while step N runs, so N+1 may hold
+:data:`~pipeline.artifacts.PLACEHOLDER_TOKEN` where a request's token sampled in N
+belongs. Once N's output is applied (or N failed), :func:`resolve_ahead` makes N+1 what
+a step planned after N would have run:
+
+- a placeholder becomes the token N sampled for that request (now in its
+  ``all_token_ids``);
+- a request that ended since N+1 was planned (stopped by N's token, aborted, failed
+  with N) leaves the step; its id already waits in the next step's
+  ``finished_req_ids``;
+- when N failed, every request of N+1 still alive is preempted by recompute (it may
+  have hit prefix-cache blocks that N was to write, which N's failure took back out of
+  the cache): it loses nothing and runs again later, and N+1 runs empty. Only N's own
+  requests fail.
+
+Synchronous bookkeeping on the scheduler's state; never blocks.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pipeline.artifacts import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+from pipeline.logs import get_logger
+from pipeline.request import RequestStatus
+from stages.schedule.state import SchedulerState
+
+__all__ = ["resolve_ahead"]
+
+log = get_logger()
+
+
+def resolve_ahead(
+    state: SchedulerState, output: SchedulerOutput, *, previous_failed: bool
+) -> SchedulerOutput:
+    """``output`` (planned before the previous step's output was applied) as it runs.
+
+    Args:
+        state: The scheduler's state, with the previous step applied or failed.
+        output: The step planned ahead; its ``requests`` may hold placeholders.
+        previous_failed: The previous step failed (its requests failed alone).
+
+    Returns:
+        ``output`` itself when nothing changed, else a copy without the requests that
+        left it and with every placeholder filled in.
+    """
+    kept: list[ScheduledRequest] = []
+    preempt: list[str] = []
+    changed = False
+    for item in output.requests:
+        request = state.requests.get(item.req_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            changed = True  # ended since planned: its id reaches the workers next step
+            continue
+        if previous_failed:
+            preempt.append(item.req_id)
+            changed = True
+            continue
+        if not item.token_ids or item.token_ids[-1] != PLACEHOLDER_TOKEN:
+            kept.append(item)
+            continue
+        start = item.num_computed_tokens
+        stop = start + len(item.token_ids)
+        if stop > request.num_tokens:  # the previous step gave it no token: cannot run
+            log.error(
+                "request scheduled ahead has no token to run; preempted",
+                req_id=item.req_id,
+                step_id=output.step_id,
+            )
+            preempt.append(item.req_id)
+            changed = True
+            continue
+        known = tuple(request.all_token_ids[start:stop])
+        kept.append(attrs.evolve(item, token_ids=known))
+        changed = True
+    for req_id in reversed(preempt):  # front of the queue, in their batch order
+        state.kv.uncache_step_blocks(req_id)
+        state.preempt(state.requests[req_id])
+    if not changed:
+        return output
+    return attrs.evolve(output, requests=tuple(kept))
