@@ -4,13 +4,16 @@ One process, fp32, ``torch.set_num_threads(1)`` for every contender (kvstep's co
 thread and transformers' loop alike), on one random 1-layer Llama (vocab 1,000, hidden
 size ``HIDDEN``) saved with ``save_pretrained``:
 
-* ``kvstep``: one request decoding ``tokens`` tokens through ``AsyncEngine`` (greedy,
-  ``ignore_eos``); the median gap between consecutive outputs of the stream, i.e. the
-  steady-state inter-token latency, which is one whole engine step (schedule, execute,
-  worker graph, forward, sample, fan-in, update, publish) per token;
+* ``kvstep`` (``async_scheduling=True``): one request decoding ``tokens`` tokens
+  through ``AsyncEngine`` (greedy, ``ignore_eos``); the median gap between consecutive
+  outputs of the stream, i.e. the steady-state inter-token latency, which is one whole
+  engine step (schedule, execute, worker graph, forward, sample, fan-in, update,
+  publish) per token;
 * ``bare``: ``model(input_ids, past_key_values=cache)`` of one token in a loop, the
   next token by ``argmax`` of the logits (the least a decode step must do);
-* ``generate``: ``model.generate(max_new_tokens=tokens)`` per generated token.
+* ``generate``: ``model.generate(max_new_tokens=tokens)`` per generated token;
+* ``kvstep`` in series: the same engine with ``async_scheduling=False`` (the default:
+  each step planned after the previous one is applied).
 
 Rounds alternate the contenders so that they share any drift of a shared machine. The
 per-stage medians of kvstep's engine and worker steps come from the step log's
@@ -29,6 +32,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import anyio
+import attrs
 import torch
 from _models import save_random_llama
 
@@ -103,23 +107,32 @@ async def _measure_async(path: Path, tokens: int, rounds: int) -> dict[str, Any]
     from pipeline import AsyncEngine, EngineConfig
 
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    config = EngineConfig(model=str(path), dtype="float32", max_model_len=4096)
+    in_series = EngineConfig(model=str(path), dtype="float32", max_model_len=4096)
+    config = attrs.evolve(in_series, async_scheduling=True)
     stages: dict[str, list[float]] = defaultdict(list)
-    samples: dict[str, list[float]] = {"kvstep": [], "bare": [], "generate": []}
-    async with AsyncEngine(config) as engine:
+    series_stages: dict[str, list[float]] = defaultdict(list)
+    samples: dict[str, list[float]] = {"kvstep": [], "kvstep_sync": [], "bare": [], "generate": []}
+    async with AsyncEngine(config) as engine, AsyncEngine(in_series) as sync_engine:
         await _kvstep_ms(engine, 32)  # warm-up
+        await _kvstep_ms(sync_engine, 32)
         _bare_ms(model, 32)
         engine.core.step_log.listeners.append(_stage_listener(stages))
+        sync_engine.core.step_log.listeners.append(_stage_listener(series_stages))
         for _ in range(rounds):
             samples["kvstep"].append(await _kvstep_ms(engine, tokens))
+            samples["kvstep_sync"].append(await _kvstep_ms(sync_engine, tokens))
             samples["bare"].append(_bare_ms(model, tokens))
             samples["generate"].append(_generate_ms(model, tokens))
     ms = {k: statistics.median(v) for k, v in samples.items()}
     return {
         **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
         "ratio_kvstep_bare": round(ms["kvstep"] / ms["bare"], 3),
+        "ratio_kvstep_sync_bare": round(ms["kvstep_sync"] / ms["bare"], 3),
         "ratio_generate_bare": round(ms["generate"] / ms["bare"], 3),
         "stages_us": {k: round(statistics.median(v) * 1e6, 1) for k, v in stages.items()},
+        "stages_in_series_us": {
+            k: round(statistics.median(v) * 1e6, 1) for k, v in series_stages.items()
+        },
     }
 
 
@@ -146,14 +159,17 @@ def print_decode_step(row: dict[str, Any]) -> None:
         f"\nBatch-1 decode step (1 layer, vocab {m['vocab_size']}, hidden {m['hidden_size']}, "
         f"fp32, 1 thread, {row['tokens']} tokens x {row['rounds']} rounds)"
     )
-    headers = ("kvstep ms", "bare fwd ms", "generate ms", "kvstep/bare", "generate/bare")
-    cells = (f"{row['kvstep_ms']:.3f}", f"{row['bare_ms']:.3f}", f"{row['generate_ms']:.3f}",
-             f"{row['ratio_kvstep_bare']:.2f}x", f"{row['ratio_generate_bare']:.2f}x")  # fmt: skip
+    headers = ("kvstep ms", "in series ms", "bare fwd ms", "generate ms", "kvstep/bare",
+               "in series/bare", "generate/bare")  # fmt: skip
+    cells = [f"{row[k]:.3f}" for k in ("kvstep_ms", "kvstep_sync_ms", "bare_ms", "generate_ms")]
+    cells += [f"{row[k]:.2f}x" for k in ("ratio_kvstep_bare", "ratio_kvstep_sync_bare",
+                                          "ratio_generate_bare")]  # fmt: skip
     print("  ".join(f"{h:>13}" for h in headers))
     print("  ".join(f"{c:>13}" for c in cells))
     print(f"  goal: kvstep/bare <= {row['goal_ratio']}x; per-stage medians (µs):")
-    for name, us in row["stages_us"].items():
-        print(f"    {name:<24} {us:8.1f}")
+    print(f"    {'stage':<24} {'async':>8} {'in series':>10}")
+    for name, us in row["stages_in_series_us"].items():
+        print(f"    {name:<24} {row['stages_us'].get(name, float('nan')):8.1f} {us:10.1f}")
 
 
 if __name__ == "__main__":

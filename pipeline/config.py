@@ -69,18 +69,6 @@ def _bool(inst: object, attribute: attrs.Attribute[Any], value: bool) -> None:
         raise InvalidConfigError(attribute.name, value, "must be true or false (a bool)")
 
 
-def _async_scheduling(inst: Any, attribute: attrs.Attribute[Any], value: bool | None) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise InvalidConfigError(attribute.name, value, "must be true, false or None (auto)")
-    if value is True and inst.connector is not None:
-        raise InvalidConfigError(
-            attribute.name,
-            value,
-            f"must be false or None with a connector ({inst.connector!r}): a connector's "
-            "metadata of a step is built from the outputs of the step before it",
-        )
-
-
 def _choice(choices: tuple[str, ...]) -> Any:
     def check(inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
         if not isinstance(value, str) or value not in choices:
@@ -187,11 +175,11 @@ class EngineConfig:
             wait for the others; then it expires: a send frees its blocks, a load fails
             its request (``finish_reason="error"``). ``math.inf`` waits forever.
         seed: Seed of the sampler for requests without their own seed.
-        async_scheduling: Schedule step N+1 while step N's forward pass runs, and hand
-            step N's outputs to their streams while step N+1 runs (vLLM's async
-            scheduling). Tokens are the same either way. ``None`` (default): on without
-            a connector, off with one (a connector's step metadata is built from the
-            previous step's outputs); ``True`` with a connector is refused.
+        async_scheduling: Plan step N+1 while step N's forward pass runs, and hand step
+            N's outputs to their streams while step N+1 runs (vLLM's async scheduling).
+            Tokens are the same either way. Off by default: on a CPU the engine's work
+            competes with the forward pass for the cores and the GIL, and the steps
+            measured slower with it (``benchmarks/step_overhead.py``).
         kv_events: Publish the KV cache events of the block pool and of the connector
             tiers that report them (vLLM's schema, on ZeroMQ): a ``KVEventsConfig``, a
             PUB endpoint such as ``tcp://*:5557``, or a dict (JSON object) of
@@ -226,14 +214,7 @@ class EngineConfig:
     transfer_lease_s: float = attrs.field(default=60.0, validator=_positive_float)
     seed: int = attrs.field(default=0, validator=_int64)
     kv_events: KVEventsConfig | None = attrs.field(default=None, converter=kv_events_config)
-    async_scheduling: bool | None = attrs.field(default=None, validator=_async_scheduling)
-
-    @property
-    def uses_async_scheduling(self) -> bool:
-        """Whether the engine schedules a step ahead (``async_scheduling`` resolved)."""
-        if self.async_scheduling is None:
-            return self.connector is None
-        return self.async_scheduling
+    async_scheduling: bool = attrs.field(default=False, validator=_bool)
 
 
 def config_values(config: EngineConfig, spec: type[Any], **renamed: str) -> dict[str, Any]:

@@ -49,6 +49,14 @@ class StepLink:
     failed: bool = False
     waited_s: float = 0.0
 
+    def finish(self, *, failed: bool) -> None:
+        """The step ended (applied, or failed): wake whoever waits for it. Idempotent;
+        a failure once recorded stays."""
+        self.previous = None
+        self.failed = self.failed or failed
+        self.scheduled.set()
+        self.done.set()
+
 
 @attrs.frozen
 class ScheduleStage:
@@ -69,12 +77,13 @@ class ScheduleStage:
     scheduler: Scheduler
 
     async def run(self, ctx: StepContext) -> SchedulerOutput:
-        output = self.scheduler.schedule()
         link: StepLink | None = ctx.scratch.get(AHEAD)
+        previous = None if link is None else link.previous
+        output = self.scheduler.schedule(ahead=previous is not None)
         if link is None:
             return output
         link.scheduled.set()
-        previous, link.previous = link.previous, None
+        link.previous = None
         if previous is None:
             return output
         if not previous.done.is_set():

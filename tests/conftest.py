@@ -13,6 +13,25 @@ from checkpoints import TINY, build_checkpoint
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--async-scheduling",
+        action="store_true",
+        help="run every engine built in this process with EngineConfig.async_scheduling "
+        "on unless a test sets it (its default is off); .ci/run runs the engine tests "
+        "both ways",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--async-scheduling"):
+        from pipeline.config import EngineConfig
+
+        defaults = EngineConfig.__init__.__kwdefaults__
+        assert defaults is not None and defaults["async_scheduling"] is False
+        defaults["async_scheduling"] = True
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One random checkpoint per supported architecture, built once per session."""

@@ -93,10 +93,9 @@ class StepsAhead:
             flight.result = await self._core.step(flight.link)
         except Exception as exc:
             flight.error = exc
-            flight.link.failed = True
+            flight.link.finish(failed=True)
         finally:  # also when the step ended before it was planned (a dead rank)
-            flight.link.scheduled.set()
-            flight.link.done.set()
+            flight.link.finish(failed=False)
             flight.finished.set()
 
     async def next_result(self) -> EngineStepOutput:

@@ -21,6 +21,7 @@ from pipeline.artifacts import EngineStepOutput, SchedulerOutput
 from pipeline.checks import check_float
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.engine.admission import check_params, check_prompt
+from pipeline.engine.cancel import consume_native_cancel
 from pipeline.engine.kv_events import start_kv_events
 from pipeline.engine.output_text import OutputText
 from pipeline.engine.step_record import record_engine_step
@@ -44,18 +45,6 @@ from stages.schedule_stage import AHEAD, StepLink
 __all__ = ["EngineCore", "GraphArg"]
 
 _log = get_logger()
-
-
-def _uncancel() -> None:
-    """Consume a native ``task.cancel()`` that was turned into a step failure (asyncio)."""
-    try:
-        import asyncio
-
-        task = asyncio.current_task()
-    except RuntimeError:  # not running under asyncio (trio has no native cancel)
-        return
-    if task is not None and task.cancelling():
-        task.uncancel()
 
 
 class EngineCore:
@@ -118,7 +107,7 @@ class EngineCore:
                 fan_in_timeout_s=config.fan_in_timeout_s,
             ),
         )
-        self.async_scheduling = config.uses_async_scheduling
+        self.async_scheduling = config.async_scheduling
         self._ids = itertools.count()
         self._closed = False
         try:  # last: nothing after it can fail and leave its thread running
@@ -235,10 +224,9 @@ class EngineCore:
     async def step(self, link: StepLink | None = None) -> EngineStepOutput:
         """Run one engine step: ``schedule → execute → fan_in → update ⟂ fail_step``.
 
-        With ``link`` (async scheduling, :attr:`async_scheduling`), the step is planned
-        at once and runs after ``link.previous`` is applied; ``link.scheduled`` is set
-        once it is planned (the caller may then start the next step) and ``link.done``
-        once its outputs are applied or its requests failed, before the step record.
+        With ``link`` (async scheduling), the step is planned at once and runs once
+        ``link.previous`` is applied (:mod:`pipeline.engine.ahead`); ``link`` is
+        finished once its outputs are applied or its requests failed.
 
         A failing step fails its own requests, not the engine: the graph's ``fail_step``
         finalizer (:class:`~stages.fail_step.FailStepStage`) fails them and leaves their
@@ -261,7 +249,7 @@ class EngineCore:
                 except anyio.get_cancelled_exc_class() as cancel:
                     if anyio.current_effective_deadline() == -math.inf:
                         raise  # a cancel scope around the engine asked: propagate
-                    _uncancel()  # fail_step failed the step's requests
+                    consume_native_cancel()  # fail_step failed the step's requests
                     raise StepCancelledError(ctx.step_id) from cancel
             except Exception as exc:
                 if ctx.maybe(SchedulerOutput) is None:
@@ -274,10 +262,7 @@ class EngineCore:
             finally:
                 self._add_text(ctx)
                 if link is not None:
-                    link.previous = None
-                    link.failed = ctx.error is not None or ctx.maybe(EngineStepOutput) is None
-                    link.scheduled.set()
-                    link.done.set()
+                    link.finish(failed=ctx.error is not None or EngineStepOutput not in ctx)
                 if self.kv_events is not None:
                     self.kv_events.flush()
                 if ctx.report is not None:

@@ -10,6 +10,7 @@ from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
 from pipeline.kernel.context import StepContext
 from pipeline.request import RequestOutput
 from pipeline.steplog import StepLog
+from stages.schedule_stage import AHEAD, StepLink
 
 __all__ = ["record_engine_step"]
 
@@ -23,6 +24,10 @@ def record_engine_step(step_log: StepLog, ctx: StepContext) -> None:
     finished = [o.request_id for o in out.outputs if o.finished] if out is not None else []
     request_times = _request_times(out.outputs) if finished and out is not None else {}
     stats = out.stats if out is not None else None
+    ahead: dict[str, float] = {}
+    link: StepLink | None = ctx.scratch.get(AHEAD)
+    if link is not None:  # async scheduling: how long schedule waited for the step before
+        ahead["waited_for_previous_ms"] = round(link.waited_s * 1e3, 3)
     step_log.record_step(
         ctx.report,
         kind="engine",
@@ -38,6 +43,7 @@ def record_engine_step(step_log: StepLog, ctx: StepContext) -> None:
         request_times=request_times,
         load_error_blocks=len(merged.invalid_block_ids) if merged is not None else 0,
         failed_save_requests=sorted(merged.failed_save_req_ids) if merged is not None else [],
+        **ahead,
     )
 
 

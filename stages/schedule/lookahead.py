@@ -13,7 +13,13 @@ a step planned after N would have run:
 - when N failed, every request of N+1 still alive is preempted by recompute (it may
   have hit prefix-cache blocks that N was to write, which N's failure took back out of
   the cache): it loses nothing and runs again later, and N+1 runs empty. Only N's own
-  requests fail.
+  requests fail. A request whose progress N's output changed (blocks that failed to
+  load truncated it) is preempted likewise.
+
+The connector's ``build_connector_meta`` for N+1 is called here, after N's
+``update_connector_output``, in the order the connector sees without async
+scheduling; only the admission hooks of N+1 (``get_num_new_matched_tokens``,
+``update_state_after_alloc``) come before N's update.
 
 Synchronous bookkeeping on the scheduler's state; never blocks.
 """
@@ -54,23 +60,20 @@ def resolve_ahead(
         if request is None or request.status != RequestStatus.RUNNING:
             changed = True  # ended since planned: its id reaches the workers next step
             continue
-        if previous_failed:
+        start = item.num_computed_tokens
+        stop = start + len(item.token_ids)
+        if previous_failed or request.num_computed_tokens != stop or stop > request.num_tokens:
+            if not previous_failed:  # truncated by a failed load, or given no token
+                log.warning(
+                    "request scheduled ahead changed before its step ran; preempted",
+                    req_id=item.req_id,
+                    step_id=output.step_id,
+                )
             preempt.append(item.req_id)
             changed = True
             continue
         if not item.token_ids or item.token_ids[-1] != PLACEHOLDER_TOKEN:
             kept.append(item)
-            continue
-        start = item.num_computed_tokens
-        stop = start + len(item.token_ids)
-        if stop > request.num_tokens:  # the previous step gave it no token: cannot run
-            log.error(
-                "request scheduled ahead has no token to run; preempted",
-                req_id=item.req_id,
-                step_id=output.step_id,
-            )
-            preempt.append(item.req_id)
-            changed = True
             continue
         known = tuple(request.all_token_ids[start:stop])
         kept.append(attrs.evolve(item, token_ids=known))

@@ -56,6 +56,7 @@ class SchedulingLimits:
 class _RunningPass(NamedTuple):
     budget: int
     preempted: bool
+    ending: int  # running requests that their tokens in flight end (async scheduling)
 
 
 class _Admission:
@@ -79,7 +80,7 @@ def plan_step(state: SchedulerState, limits: SchedulingLimits, step_id: int) -> 
     scheduled: list[ScheduledRequest] = []
     running = _schedule_running(state, limits, scheduled)
     if not running.preempted:
-        _schedule_waiting(state, limits, running.budget, scheduled)
+        _schedule_waiting(state, limits, running.budget, running.ending, scheduled)
     finished = frozenset(state.finished_req_ids)
     state.finished_req_ids.clear()
     return SchedulerOutput(step_id=step_id, requests=tuple(scheduled), finished_req_ids=finished)
@@ -101,12 +102,17 @@ def _schedule_running(
 ) -> _RunningPass:
     budget = limits.max_num_batched_tokens
     preempted = False
+    ending = 0
     index = 0
     while index < len(state.running) and budget > 0:
         request = state.running[index]
+        if _ahead_done(request, limits):
+            ending += 1
+            index += 1
+            continue
         known = request.num_tokens + request.num_output_placeholders
         num_new = min(known - request.num_computed_tokens, budget)
-        if num_new <= 0 or _ahead_done(request, limits):
+        if num_new <= 0:
             index += 1
             continue
         while (new_blocks := state.kv.allocate_slots(request, num_new)) is None:
@@ -120,18 +126,21 @@ def _schedule_running(
         scheduled.append(_schedule(state, request, num_new))
         budget -= num_new
         index += 1
-    return _RunningPass(budget, preempted)
+    return _RunningPass(budget, preempted, ending)
 
 
 def _schedule_waiting(
     state: SchedulerState,
     limits: SchedulingLimits,
     budget: int,
+    ending: int,
     scheduled: list[ScheduledRequest],
 ) -> None:
+    """Admit waiting requests. ``ending`` running requests end with the step in flight
+    (async scheduling): their places count as free, as they are once it is applied."""
     skipped: list[Request] = []
     now: float | None = None
-    while state.waiting and budget > 0 and len(state.running) < limits.max_num_seqs:
+    while state.waiting and budget > 0 and len(state.running) - ending < limits.max_num_seqs:
         request = state.waiting[0]
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             skipped.append(state.waiting.popleft())

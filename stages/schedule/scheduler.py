@@ -202,14 +202,20 @@ class Scheduler:
         """The ``step_id`` the next ``schedule()`` call will produce."""
         return self._next_step_id
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, ahead: bool = False) -> SchedulerOutput:
         """Decide the next step; ``step_id`` increases by one on every call, even when
         nothing is scheduled. With a connector, ``build_connector_meta`` is called once
         with the finished output and its result is attached as
-        ``kv_connector_metadata``."""
+        ``kv_connector_metadata``.
+
+        ``ahead``: the previous step's output is not applied yet (async scheduling);
+        the metadata is built by :meth:`resolve_ahead` once it is."""
         step_id = self._next_step_id
         self._next_step_id += 1
         output = plan_step(self._state, self._limits, step_id)
+        return output if ahead else self._with_metadata(output)
+
+    def _with_metadata(self, output: SchedulerOutput) -> SchedulerOutput:
         connector = self._state.connector
         if connector is not None:
             try:
@@ -223,8 +229,10 @@ class Scheduler:
         """The step ``output``, planned while the step before it ran (async scheduling),
         as it runs now that the step before was applied or failed: placeholders filled
         in, ended requests out, and run empty after a failure
-        (:func:`~stages.schedule.lookahead.resolve_ahead`)."""
-        return resolve_ahead(self._state, output, previous_failed=previous_failed)
+        (:func:`~stages.schedule.lookahead.resolve_ahead`); with a connector, its
+        metadata is built now."""
+        resolved = resolve_ahead(self._state, output, previous_failed=previous_failed)
+        return self._with_metadata(resolved)
 
     def _drop_step(self, output: SchedulerOutput, exc: Exception) -> SchedulerOutput:
         """``build_connector_meta`` raised: the step's requests fail alone (their outputs
