@@ -91,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--warmup", type=int, default=2, help="untimed requests first")
     group.add_argument("--check-requests", type=int, default=4, help="unpadded references")
     group.add_argument("--no-prefix-caching", action="store_true", help="kvstep's cache off")
+    group.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="also run kvstep with async scheduling (reported beside it, in its own process)",
+    )
     group.add_argument("--scenario", choices=SCENARIOS, help=argparse.SUPPRESS)
 
 
@@ -122,7 +127,9 @@ def _ids(text: str, vocab: int) -> list[int]:
 # -- the two engines (each in a child process) ---------------------------------------------
 
 
-async def _kvstep(args: argparse.Namespace, path: Path, jobs: list[Job], warm: list[Job]) -> Any:
+async def _kvstep(
+    args: argparse.Namespace, path: Path, jobs: list[Job], warm: list[Job], ahead: bool
+) -> Any:
     longest = max(len(j.prompt) + j.max_tokens for j in jobs + warm)
     config = EngineConfig(
         model=str(path),
@@ -130,6 +137,7 @@ async def _kvstep(args: argparse.Namespace, path: Path, jobs: list[Job], warm: l
         max_num_seqs=args.batch,
         max_model_len=longest + 16,
         enable_prefix_caching=not args.no_prefix_caching,
+        async_scheduling=ahead,
     )
     async with AsyncEngine(config) as engine:
         await _drive(engine, warm)
@@ -237,8 +245,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     jobs = workload(args, vocab, args.scenario)
     warm = workload(args, vocab, args.scenario, warmup=True)
-    if args.engine == "kvstep":
-        result = anyio.run(_kvstep, args, path, jobs, warm)
+    if args.engine in ("kvstep", "kvstep-async"):
+        result = anyio.run(_kvstep, args, path, jobs, warm, args.engine == "kvstep-async")
     else:
         result = _baseline(args, path, jobs, warm)
     args.json.write_text(json.dumps(result))
@@ -282,6 +290,14 @@ def compare(
                 "identical_transformers_vs_reference": report.same(hf_tokens, hf["reference"]),
             }
             run["ratio"] = run["kvstep"]["output_tok_s"] / run["transformers"]["output_tok_s"]
+            if args.async_scheduling:
+                ahead = _child_run(script, argv, "kvstep-async", scenario, path)
+                run["kvstep_async"] = report.summarize(jobs, ahead["requests"])
+                tok_s = run["kvstep_async"]["output_tok_s"]
+                run["async_ratio"] = tok_s / run["kvstep"]["output_tok_s"]
+                run["identical_async"] = report.same(
+                    [r["tokens"] for r in ahead["requests"]], kv_tokens
+                )
             runs.append(run)
     prompt_tokens = [len(j.prompt) for j in jobs]
     result = {

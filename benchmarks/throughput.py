@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--dtypes", nargs="+", choices=list(DTYPES), default=["float32"], help="each is run"
     )
     parser.add_argument("--json", type=Path, default=RESULTS / "throughput.json")
-    parser.add_argument("--engine", choices=["both", "kvstep", "transformers"], default="both")
+    parser.add_argument(
+        "--engine", choices=["both", "kvstep", "kvstep-async", "transformers"], default="both"
+    )
     parser.add_argument("--model-path", type=Path, default=None, help=argparse.SUPPRESS)
     serving.add_arguments(parser)
     args = parser.parse_args(argv)

@@ -311,7 +311,7 @@ class AsyncEngine:
             try:
                 while True:
                     self._apply_aborts(core)
-                    if ahead.can_start() and core.has_work():
+                    if ahead.can_start() and core.has_work(ahead=ahead.running):
                         await ahead.start()
                         continue
                     if not ahead.running:

@@ -202,13 +202,16 @@ class EngineCore:
         self.aggregator.forget(out.request_id for out in aborted)
         return list(self.output_text.process(aborted))
 
-    def has_work(self) -> bool:
+    def has_work(self, *, ahead: bool = False) -> bool:
         """Whether a step would make progress: requests left, delayed frees, transfers
-        the connector or fan-in still wait for (their lease expires on a step)."""
+        the connector or fan-in still wait for (their lease expires on a step).
+        ``ahead``: a step is in flight (async scheduling); the requests it ends do not
+        count."""
         if self.executor.check_alive() is not None:
             return True  # the next step raises EngineDeadError at once
         waiting = self.aggregator.num_pending > 0
-        return self.scheduler.has_unfinished_requests() or waiting or self._connector_pending()
+        requests = self.scheduler.has_unfinished_requests(ahead=ahead)
+        return requests or waiting or self._connector_pending()
 
     def _connector_pending(self) -> bool:
         if self.connector is None:

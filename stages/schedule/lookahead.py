@@ -13,8 +13,10 @@ a step planned after N would have run:
 - when N failed, every request of N+1 still alive is preempted by recompute (it may
   have hit prefix-cache blocks that N was to write, which N's failure took back out of
   the cache): it loses nothing and runs again later, and N+1 runs empty. Only N's own
-  requests fail. A request whose progress N's output changed (blocks that failed to
-  load truncated it) is preempted likewise.
+  requests fail;
+- a request whose progress N's output changed (blocks that failed to load truncated
+  it) leaves N+1 and keeps its blocks: the next step recomputes from where the
+  truncation left it, as without async scheduling.
 
 The connector's ``build_connector_meta`` for N+1 is called here, after N's
 ``update_connector_output``, in the order the connector sees without async
@@ -62,10 +64,14 @@ def resolve_ahead(
             continue
         start = item.num_computed_tokens
         stop = start + len(item.token_ids)
-        if previous_failed or request.num_computed_tokens != stop or stop > request.num_tokens:
-            if not previous_failed:  # truncated by a failed load, or given no token
-                log.warning(
-                    "request scheduled ahead changed before its step ran; preempted",
+        if not previous_failed and request.num_computed_tokens != stop:
+            _skip(state, item)  # truncated by a failed load: the next step recomputes
+            changed = True
+            continue
+        if previous_failed or stop > request.num_tokens:
+            if not previous_failed:  # never: a token not applied ends or truncates it
+                log.error(
+                    "request scheduled ahead has no token to run; preempted",
                     req_id=item.req_id,
                     step_id=output.step_id,
                 )
@@ -84,3 +90,19 @@ def resolve_ahead(
     if not changed:
         return output
     return attrs.evolve(output, requests=tuple(kept))
+
+
+def _skip(state: SchedulerState, item: ScheduledRequest) -> None:
+    """Take ``item`` out of its step, as if it had not been planned: the workers never
+    get its new blocks (they come with the request's next step), and a token it was to
+    sample is not waited for. The request keeps its blocks and its (truncated)
+    progress, whose registrations past it the truncation already took back out."""
+    req_id = item.req_id
+    log.info("request scheduled ahead was truncated before its step ran; skipped", req_id=req_id)
+    if item.new:
+        state.sent_blocks.pop(req_id, None)
+    elif req_id in state.sent_blocks:
+        state.sent_blocks[req_id] -= len(item.block_ids)
+    request = state.requests[req_id]
+    if item.sample and request.num_output_placeholders:
+        request.num_output_placeholders -= 1

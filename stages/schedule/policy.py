@@ -32,7 +32,7 @@ from pipeline.request import Request, RequestStatus
 from stages.schedule.kv_manager import ComputedBlocks
 from stages.schedule.state import SchedulerState, make_output
 
-__all__ = ["SchedulingLimits", "plan_step"]
+__all__ = ["SchedulingLimits", "ahead_done", "plan_step"]
 
 log = get_logger()
 
@@ -86,7 +86,7 @@ def plan_step(state: SchedulerState, limits: SchedulingLimits, step_id: int) -> 
     return SchedulerOutput(step_id=step_id, requests=tuple(scheduled), finished_req_ids=finished)
 
 
-def _ahead_done(request: Request, limits: SchedulingLimits) -> bool:
+def ahead_done(request: Request, limits: SchedulingLimits) -> bool:
     """Whether ``request``'s pending placeholders already end it (``max_tokens`` or the
     longest length): scheduling it again would only compute a token to drop."""
     pending = request.num_output_placeholders
@@ -106,7 +106,7 @@ def _schedule_running(
     index = 0
     while index < len(state.running) and budget > 0:
         request = state.running[index]
-        if _ahead_done(request, limits):
+        if ahead_done(request, limits):
             ending += 1
             index += 1
             continue

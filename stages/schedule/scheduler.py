@@ -30,7 +30,7 @@ from pipeline.request import Request, RequestOutput, RequestStatus
 from stages.schedule.hashing import BlockHasher
 from stages.schedule.kv_manager import KVCacheManager
 from stages.schedule.lookahead import resolve_ahead
-from stages.schedule.policy import SchedulingLimits, plan_step
+from stages.schedule.policy import SchedulingLimits, ahead_done, plan_step
 from stages.schedule.spec import SchedulerSpec
 from stages.schedule.state import SchedulerState, make_output
 from stages.schedule.update import UpdatePolicy, apply_output
@@ -283,10 +283,18 @@ class Scheduler:
         self._state.pending_outputs = []
         return [*pending, *outputs]
 
-    def has_unfinished_requests(self) -> bool:
+    def has_unfinished_requests(self, *, ahead: bool = False) -> bool:
         """Whether the engine must keep stepping: requests to run, or finished requests
-        whose blocks wait for a transfer to complete."""
-        return bool(self._state.requests) or bool(self._state.delayed_free)
+        whose blocks wait for a transfer to complete.
+
+        ``ahead``: for a step planned before the one in flight is applied (async
+        scheduling), running requests that the tokens in flight end do not count."""
+        state = self._state
+        if state.waiting or state.delayed_free:
+            return True
+        if not ahead:
+            return bool(state.requests)
+        return any(not ahead_done(r, self._limits) for r in state.running)
 
     def num_unfinished_requests(self) -> int:
         """Running plus waiting requests (parked async loads included); what admission
