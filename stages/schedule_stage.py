@@ -7,6 +7,7 @@ outputs) is :mod:`stages.fan_in`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import anyio
@@ -41,6 +42,9 @@ class StepLink:
         done: Set once this step's outputs are applied, or its requests failed.
         failed: This step's body failed (set before ``done``).
         waited_s: How long ``schedule`` waited for the previous step (step log).
+        on_plan: Called once the step is planned ahead and once it is resolved: the
+            engine publishes the KV events of that planning then, not only when the
+            step ends, so a subscriber sees the cache as it is while steps overlap.
     """
 
     previous: StepLink | None = None
@@ -48,6 +52,7 @@ class StepLink:
     done: anyio.Event = attrs.field(factory=anyio.Event)
     failed: bool = False
     waited_s: float = 0.0
+    on_plan: Callable[[], object] | None = None
 
     def finish(self, *, failed: bool) -> None:
         """The step ended (applied, or failed): wake whoever waits for it. Idempotent;
@@ -86,11 +91,16 @@ class ScheduleStage:
         link.previous = None
         if previous is None:
             return output
+        if link.on_plan is not None:
+            link.on_plan()
         if not previous.done.is_set():
             start = time.perf_counter()
             await previous.done.wait()
             link.waited_s = time.perf_counter() - start
-        return self.scheduler.resolve_ahead(output, previous_failed=previous.failed)
+        resolved = self.scheduler.resolve_ahead(output, previous_failed=previous.failed)
+        if link.on_plan is not None:
+            link.on_plan()
+        return resolved
 
 
 @attrs.frozen

@@ -83,7 +83,7 @@ class StepsAhead:
     async def start(self) -> None:
         """Start the next step; return once it is planned."""
         previous = self._flights[-1].link if self._flights else None
-        flight = _Flight(StepLink(previous=previous))
+        flight = _Flight(StepLink(previous=previous, on_plan=self._core.publish_kv_events))
         self._flights.append(flight)
         self._tg.start_soon(self._run, flight)
         await flight.link.scheduled.wait()

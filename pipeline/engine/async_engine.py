@@ -266,12 +266,17 @@ class AsyncEngine:
 
     # --------------------------------------------------------------------- loop
 
-    def _apply_aborts(self, core: EngineCore) -> None:
+    def _apply_aborts(self, core: EngineCore, *, in_flight: bool = False) -> None:
+        """Abort the requests asked for. ``in_flight``: a step runs (async scheduling);
+        a request the scheduler no longer knows then ended in a step whose outputs are
+        not published yet, and its stream gets its final output from there."""
         with self._abort_lock:
             ids = list(self._aborts)
             self._aborts.clear()
         if ids:
             self._publish(core.abort(ids))
+            if in_flight:
+                return
             for request_id in ids:
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
@@ -310,7 +315,7 @@ class AsyncEngine:
             ahead = StepsAhead(core, tg)
             try:
                 while True:
-                    self._apply_aborts(core)
+                    self._apply_aborts(core, in_flight=ahead.running)
                     if ahead.can_start() and core.has_work(ahead=ahead.running):
                         await ahead.start()
                         continue

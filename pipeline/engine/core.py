@@ -205,12 +205,14 @@ class EngineCore:
     def has_work(self, *, ahead: bool = False) -> bool:
         """Whether a step would make progress: requests left, delayed frees, transfers
         the connector or fan-in still wait for (their lease expires on a step).
-        ``ahead``: a step is in flight (async scheduling); the requests it ends do not
-        count."""
+        ``ahead``: a step is in flight (async scheduling): whether one planned now could
+        compute anything (transfers wait for the step in flight)."""
         if self.executor.check_alive() is not None:
             return True  # the next step raises EngineDeadError at once
+        if ahead:
+            return self.scheduler.has_unfinished_requests(ahead=True)
         waiting = self.aggregator.num_pending > 0
-        requests = self.scheduler.has_unfinished_requests(ahead=ahead)
+        requests = self.scheduler.has_unfinished_requests()
         return requests or waiting or self._connector_pending()
 
     def _connector_pending(self) -> bool:
@@ -271,6 +273,11 @@ class EngineCore:
                 if ctx.report is not None:
                     record_engine_step(self.step_log, ctx)
         return ctx.get(EngineStepOutput)
+
+    def publish_kv_events(self) -> None:
+        """Publish the KV events recorded since the last batch (no-op when off)."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def _add_text(self, ctx: StepContext) -> None:
         """Give the step's outputs their text, and stop the requests whose stop string

@@ -28,6 +28,8 @@ Synchronous bookkeeping on the scheduler's state; never blocks.
 
 from __future__ import annotations
 
+import time
+
 import attrs
 
 from pipeline.artifacts import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
@@ -57,6 +59,7 @@ def resolve_ahead(
     kept: list[ScheduledRequest] = []
     preempt: list[str] = []
     changed = False
+    now = time.monotonic()
     for item in output.requests:
         request = state.requests.get(item.req_id)
         if request is None or request.status != RequestStatus.RUNNING:
@@ -78,6 +81,8 @@ def resolve_ahead(
             preempt.append(item.req_id)
             changed = True
             continue
+        if request.first_scheduled_time is None:  # admitted into this step
+            request.first_scheduled_time = now
         if not item.token_ids or item.token_ids[-1] != PLACEHOLDER_TOKEN:
             kept.append(item)
             continue

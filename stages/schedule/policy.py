@@ -70,17 +70,21 @@ class _Admission:
         self.load_async = load_async
 
 
-def plan_step(state: SchedulerState, limits: SchedulingLimits, step_id: int) -> SchedulerOutput:
+def plan_step(
+    state: SchedulerState, limits: SchedulingLimits, step_id: int, *, ahead: bool = False
+) -> SchedulerOutput:
     """Decide step ``step_id``: mutate ``state`` and return the step's output.
 
     The returned output has no connector metadata yet; the caller adds it. Synchronous;
-    calls the connector's scheduler hooks, which must not block.
+    calls the connector's scheduler hooks, which must not block. ``ahead``: the step is
+    planned before the previous one is applied; the requests it admits get their
+    ``first_scheduled_time`` when it is resolved, i.e. when it runs.
     """
     state.kv.start_step(step_id)
     scheduled: list[ScheduledRequest] = []
     running = _schedule_running(state, limits, scheduled)
     if not running.preempted:
-        _schedule_waiting(state, limits, running.budget, running.ending, scheduled)
+        _schedule_waiting(state, limits, running.budget, running.ending, scheduled, ahead)
     finished = frozenset(state.finished_req_ids)
     state.finished_req_ids.clear()
     return SchedulerOutput(step_id=step_id, requests=tuple(scheduled), finished_req_ids=finished)
@@ -135,6 +139,7 @@ def _schedule_waiting(
     budget: int,
     ending: int,
     scheduled: list[ScheduledRequest],
+    ahead: bool,
 ) -> None:
     """Admit waiting requests. ``ending`` running requests end with the step in flight
     (async scheduling): their places count as free, as they are once it is applied."""
@@ -190,7 +195,7 @@ def _schedule_waiting(
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed
-        if request.first_scheduled_time is None:
+        if request.first_scheduled_time is None and not ahead:
             if now is None:  # one clock read per step, only when someone is admitted
                 now = time.monotonic()
             request.first_scheduled_time = now

@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-import attrs
-
 from connectors.base import KVConnectorScheduler
 from pipeline.artifacts import FanInOutput, SchedulerOutput
 from pipeline.checks import check_int
@@ -30,6 +28,7 @@ from pipeline.request import Request, RequestOutput, RequestStatus
 from stages.schedule.hashing import BlockHasher
 from stages.schedule.kv_manager import KVCacheManager
 from stages.schedule.lookahead import resolve_ahead
+from stages.schedule.metadata import with_connector_metadata
 from stages.schedule.policy import SchedulingLimits, ahead_done, plan_step
 from stages.schedule.spec import SchedulerSpec
 from stages.schedule.state import SchedulerState, make_output
@@ -212,18 +211,8 @@ class Scheduler:
         the metadata is built by :meth:`resolve_ahead` once it is."""
         step_id = self._next_step_id
         self._next_step_id += 1
-        output = plan_step(self._state, self._limits, step_id)
-        return output if ahead else self._with_metadata(output)
-
-    def _with_metadata(self, output: SchedulerOutput) -> SchedulerOutput:
-        connector = self._state.connector
-        if connector is not None:
-            try:
-                metadata = connector.build_connector_meta(output)
-            except Exception as exc:
-                return self._drop_step(output, exc)
-            output = attrs.evolve(output, kv_connector_metadata=metadata)
-        return output
+        output = plan_step(self._state, self._limits, step_id, ahead=ahead)
+        return output if ahead else with_connector_metadata(self._state, output)
 
     def resolve_ahead(self, output: SchedulerOutput, *, previous_failed: bool) -> SchedulerOutput:
         """The step ``output``, planned while the step before it ran (async scheduling),
@@ -232,22 +221,7 @@ class Scheduler:
         (:func:`~stages.schedule.lookahead.resolve_ahead`); with a connector, its
         metadata is built now."""
         resolved = resolve_ahead(self._state, output, previous_failed=previous_failed)
-        return self._with_metadata(resolved)
-
-    def _drop_step(self, output: SchedulerOutput, exc: Exception) -> SchedulerOutput:
-        """``build_connector_meta`` raised: the step's requests fail alone (their outputs
-        come with the next update) and the step runs empty, without metadata."""
-        log.error("connector build_connector_meta failed", step_id=output.step_id, error=repr(exc))
-        ids = [item.req_id for item in output.requests]
-        for req_id in ids:
-            self._state.kv.uncache_step_blocks(req_id)
-        failed = self._finish_all(
-            ids, RequestStatus.FINISHED_ERROR, f"connector build_connector_meta failed: {exc!r}"
-        )
-        self._state.pending_outputs.extend(failed)
-        return attrs.evolve(
-            output, requests=(), finished_req_ids=output.finished_req_ids | frozenset(ids)
-        )
+        return with_connector_metadata(self._state, resolved)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, output: FanInOutput
@@ -287,13 +261,15 @@ class Scheduler:
         """Whether the engine must keep stepping: requests to run, or finished requests
         whose blocks wait for a transfer to complete.
 
-        ``ahead``: for a step planned before the one in flight is applied (async
-        scheduling), running requests that the tokens in flight end do not count."""
+        ``ahead``: whether a step planned now, before the one in flight is applied
+        (async scheduling), could compute anything: a request waiting (not parked for
+        a transfer), or a running request that the tokens in flight do not end."""
         state = self._state
-        if state.waiting or state.delayed_free:
-            return True
         if not ahead:
-            return bool(state.requests)
+            return bool(state.requests) or bool(state.delayed_free)
+        parked = RequestStatus.WAITING_FOR_REMOTE_KVS
+        if any(r.status != parked for r in state.waiting):
+            return True
         return any(not ahead_done(r, self._limits) for r in state.running)
 
     def num_unfinished_requests(self) -> int:
