@@ -128,12 +128,23 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._tg: TaskGroup | None = None
         self._closed = False
+        self._stepping = False
         self.num_steps = 0
 
     @property
     def is_running(self) -> bool:
         """Whether the step loop is open (inside ``async with``) and has not died."""
         return self._core is not None and self._dead is None
+
+    @property
+    def is_idle(self) -> bool:
+        """Whether the step loop is at rest: no step running, no abort waiting, and no
+        step needed (no requests, no transfers). With async scheduling a step may still
+        run after the last stream ended (its step was planned ahead)."""
+        core = self._core
+        if core is None or self._stepping or self._aborts:
+            return False
+        return not core.has_work()
 
     @property
     def is_dead(self) -> bool:
@@ -302,7 +313,11 @@ class AsyncEngine:
             if not core.has_work():
                 await self._idle()
                 continue
-            result = await core.step()
+            self._stepping = True
+            try:
+                result = await core.step()
+            finally:
+                self._stepping = False
             self.num_steps += 1
             self._publish(result.outputs)
             await anyio.lowlevel.checkpoint()
@@ -317,8 +332,10 @@ class AsyncEngine:
                 while True:
                     self._apply_aborts(core, in_flight=ahead.running)
                     if ahead.can_start() and core.has_work(ahead=ahead.running):
+                        self._stepping = True
                         await ahead.start()
                         continue
+                    self._stepping = ahead.running
                     if not ahead.running:
                         await self._idle()
                         continue

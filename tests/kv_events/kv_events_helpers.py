@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
+import anyio
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
@@ -101,6 +102,13 @@ async def run_request(
                 break
     finally:
         await stream.aclose()
+
+
+async def until_at_rest(engine: AsyncEngine, timeout_s: float = 15.0) -> None:
+    """Wait (bounded) until ``engine.is_idle``: no step runs, none is needed."""
+    with anyio.fail_after(timeout_s):
+        while not engine.is_idle:
+            await anyio.sleep(0.005)
 
 
 #: Two shared prompt prefixes the random workloads draw from.

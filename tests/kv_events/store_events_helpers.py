@@ -7,7 +7,14 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import anyio
-from kv_events_helpers import PREFIXES, drain, events_config, run_request, tier_of
+from kv_events_helpers import (
+    PREFIXES,
+    drain,
+    events_config,
+    run_request,
+    tier_of,
+    until_at_rest,
+)
 
 from connectors.store import StoreScheduler
 from pipeline import AsyncEngine, EngineConfig
@@ -68,8 +75,10 @@ def run_waves(
     contents: StoreContents,
     between: Between | None = None,
 ) -> Run:
-    """Run each wave of requests concurrently, one wave after the other; after each, the
-    live index must equal both tiers. At the end a late subscriber replays from 0."""
+    """Run each wave of requests concurrently, one wave after the other; after each, once
+    the engine is at rest (a client that left mid-stream leaves its abort, and with async
+    scheduling a planned-ahead step, to the engine), the live index must equal both
+    tiers. At the end a late subscriber replays from 0."""
     return anyio.run(_run_waves, config, waves, medium, contents, between)
 
 
@@ -91,6 +100,7 @@ async def _run_waves(
                     for which, keep, suffix, max_tokens, abort in wave:
                         prompt = PREFIXES[which][:keep] + suffix
                         tg.start_soon(run_request, engine, prompt, max_tokens, abort)
+                await until_at_rest(engine)
                 events += drain(sub, pub, live)
                 held = {
                     MEDIUM_GPU: device_hashes(engine),

@@ -20,6 +20,7 @@ from kv_events_helpers import (
     requests,
     run_request,
     tier_of,
+    until_at_rest,
 )
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
@@ -236,6 +237,7 @@ class TestExactness:
                         for which, keep, suffix, max_tokens, abort in wave:
                             prompt = PREFIXES[which][:keep] + suffix
                             tg.start_soon(run_request, engine, prompt, max_tokens, abort)
+                    await until_at_rest(engine)
                     drain(sub, pub, index)
                     held = _held(engine)
                     assert index.by_medium.keys() <= {MEDIUM_GPU, MEDIUM_CPU}
