@@ -13,7 +13,10 @@ size ``HIDDEN``) saved with ``save_pretrained``:
   next token by ``argmax`` of the logits (the least a decode step must do);
 * ``generate``: ``model.generate(max_new_tokens=tokens)`` per generated token;
 * ``kvstep`` in series: the same engine with ``async_scheduling=False`` (the default:
-  each step planned after the previous one is applied).
+  each step planned after the previous one is applied);
+* ``kvstep`` inline: in series with ``inline_forward=True``: the forward pass and the
+  sampling run on the event loop's thread (no hand-over to the compute thread and back,
+  i.e. two thread wake-ups a step fewer).
 
 Rounds alternate the contenders so that they share any drift of a shared machine. The
 per-stage medians of kvstep's engine and worker steps come from the step log's
@@ -109,18 +112,28 @@ async def _measure_async(path: Path, tokens: int, rounds: int) -> dict[str, Any]
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     in_series = EngineConfig(model=str(path), dtype="float32", max_model_len=4096)
     config = attrs.evolve(in_series, async_scheduling=True)
+    inline = attrs.evolve(in_series, inline_forward=True)
     stages: dict[str, list[float]] = defaultdict(list)
     series_stages: dict[str, list[float]] = defaultdict(list)
-    samples: dict[str, list[float]] = {"kvstep": [], "kvstep_sync": [], "bare": [], "generate": []}
-    async with AsyncEngine(config) as engine, AsyncEngine(in_series) as sync_engine:
-        await _kvstep_ms(engine, 32)  # warm-up
-        await _kvstep_ms(sync_engine, 32)
+    inline_stages: dict[str, list[float]] = defaultdict(list)
+    samples: dict[str, list[float]] = {
+        "kvstep": [], "kvstep_sync": [], "kvstep_inline": [], "bare": [], "generate": []
+    }  # fmt: skip
+    async with (
+        AsyncEngine(config) as engine,
+        AsyncEngine(in_series) as sync_engine,
+        AsyncEngine(inline) as inline_engine,
+    ):
+        for warm in (engine, sync_engine, inline_engine):
+            await _kvstep_ms(warm, 32)
         _bare_ms(model, 32)
         engine.core.step_log.listeners.append(_stage_listener(stages))
         sync_engine.core.step_log.listeners.append(_stage_listener(series_stages))
+        inline_engine.core.step_log.listeners.append(_stage_listener(inline_stages))
         for _ in range(rounds):
             samples["kvstep"].append(await _kvstep_ms(engine, tokens))
             samples["kvstep_sync"].append(await _kvstep_ms(sync_engine, tokens))
+            samples["kvstep_inline"].append(await _kvstep_ms(inline_engine, tokens))
             samples["bare"].append(_bare_ms(model, tokens))
             samples["generate"].append(_generate_ms(model, tokens))
     ms = {k: statistics.median(v) for k, v in samples.items()}
@@ -128,10 +141,14 @@ async def _measure_async(path: Path, tokens: int, rounds: int) -> dict[str, Any]
         **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
         "ratio_kvstep_bare": round(ms["kvstep"] / ms["bare"], 3),
         "ratio_kvstep_sync_bare": round(ms["kvstep_sync"] / ms["bare"], 3),
+        "ratio_kvstep_inline_bare": round(ms["kvstep_inline"] / ms["bare"], 3),
         "ratio_generate_bare": round(ms["generate"] / ms["bare"], 3),
         "stages_us": {k: round(statistics.median(v) * 1e6, 1) for k, v in stages.items()},
         "stages_in_series_us": {
             k: round(statistics.median(v) * 1e6, 1) for k, v in series_stages.items()
+        },
+        "stages_inline_us": {
+            k: round(statistics.median(v) * 1e6, 1) for k, v in inline_stages.items()
         },
     }
 
@@ -159,17 +176,22 @@ def print_decode_step(row: dict[str, Any]) -> None:
         f"\nBatch-1 decode step (1 layer, vocab {m['vocab_size']}, hidden {m['hidden_size']}, "
         f"fp32, 1 thread, {row['tokens']} tokens x {row['rounds']} rounds)"
     )
-    headers = ("kvstep ms", "in series ms", "bare fwd ms", "generate ms", "kvstep/bare",
-               "in series/bare", "generate/bare")  # fmt: skip
-    cells = [f"{row[k]:.3f}" for k in ("kvstep_ms", "kvstep_sync_ms", "bare_ms", "generate_ms")]
-    cells += [f"{row[k]:.2f}x" for k in ("ratio_kvstep_bare", "ratio_kvstep_sync_bare",
-                                          "ratio_generate_bare")]  # fmt: skip
-    print("  ".join(f"{h:>13}" for h in headers))
-    print("  ".join(f"{c:>13}" for c in cells))
+    print(f"  {'contender':<34} {'ms/token':>9} {'vs bare':>8}")
+    for label, key, ratio in (
+        ("kvstep, async scheduling", "kvstep_ms", "ratio_kvstep_bare"),
+        ("kvstep, in series (default)", "kvstep_sync_ms", "ratio_kvstep_sync_bare"),
+        ("kvstep, in series, inline_forward", "kvstep_inline_ms", "ratio_kvstep_inline_bare"),
+        ("transformers bare forward", "bare_ms", None),
+        ("transformers generate()", "generate_ms", "ratio_generate_bare"),
+    ):
+        times = f"{row[ratio]:.2f}x" if ratio else "1.00x"
+        print(f"  {label:<34} {row[key]:9.3f} {times:>8}")
     print(f"  goal: kvstep/bare <= {row['goal_ratio']}x; per-stage medians (µs):")
-    print(f"    {'stage':<24} {'async':>8} {'in series':>10}")
+    print(f"    {'stage':<24} {'async':>8} {'in series':>10} {'inline':>8}")
     for name, us in row["stages_in_series_us"].items():
-        print(f"    {name:<24} {row['stages_us'].get(name, float('nan')):8.1f} {us:10.1f}")
+        asy = row["stages_us"].get(name, float("nan"))
+        inl = row["stages_inline_us"].get(name, float("nan"))
+        print(f"    {name:<24} {asy:8.1f} {us:10.1f} {inl:8.1f}")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,17 @@ def _bool(inst: object, attribute: attrs.Attribute[Any], value: bool) -> None:
         raise InvalidConfigError(attribute.name, value, "must be true or false (a bool)")
 
 
+def _inline_forward(inst: EngineConfig, attribute: attrs.Attribute[Any], value: bool) -> None:
+    _bool(inst, attribute, value)
+    if value and inst.executor != "inprocess":
+        raise InvalidConfigError(
+            attribute.name,
+            value,
+            f"only with executor='inprocess' (the ranks of {inst.executor!r} run in their own "
+            "workers, with their compute threads)",
+        )
+
+
 def _choice(choices: tuple[str, ...]) -> Any:
     def check(inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
         if not isinstance(value, str) or value not in choices:
@@ -180,6 +191,15 @@ class EngineConfig:
             Tokens are the same either way. Off by default: on a CPU the engine's work
             competes with the forward pass for the cores and the GIL, and the steps
             measured slower with it (``benchmarks/step_overhead.py``).
+        inline_forward: Run each forward pass and its sampling on the event loop's
+            thread, and load the model there, instead of handing them to the runner's
+            compute thread: no thread hand-over per step (two thread wake-ups), the
+            larger part of a small model's decode step on a small machine
+            (``benchmarks/step_overhead.py``); the loop is blocked during each forward
+            pass, so it is off by default, for an engine whose loop serves nothing else
+            while a step computes (offline ``LLM`` use, a benchmark). A connector's layer
+            hooks then run on the loop's thread too (the built-in connectors do their I/O
+            on their own threads). Only with ``executor="inprocess"``.
         kv_events: Publish the KV cache events of the block pool and of the connector
             tiers that report them (vLLM's schema, on ZeroMQ): a ``KVEventsConfig``, a
             PUB endpoint such as ``tcp://*:5557``, or a dict (JSON object) of
@@ -215,6 +235,7 @@ class EngineConfig:
     seed: int = attrs.field(default=0, validator=_int64)
     kv_events: KVEventsConfig | None = attrs.field(default=None, converter=kv_events_config)
     async_scheduling: bool = attrs.field(default=False, validator=_bool)
+    inline_forward: bool = attrs.field(default=False, validator=_inline_forward)
 
 
 def config_values(config: EngineConfig, spec: type[Any], **renamed: str) -> dict[str, Any]:

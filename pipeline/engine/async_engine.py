@@ -99,7 +99,12 @@ class AsyncEngine:
         return self._core
 
     async def __aenter__(self) -> AsyncEngine:
-        self._core = await anyio.to_thread.run_sync(lambda: EngineCore(self.config, **self._graphs))
+        if self.config.inline_forward:  # the model loads on the thread that runs it
+            self._core = EngineCore(self.config, **self._graphs)
+        else:
+            self._core = await anyio.to_thread.run_sync(
+                lambda: EngineCore(self.config, **self._graphs)
+            )
         self._wakeup = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()

@@ -10,6 +10,13 @@ one dedicated thread. The event loop awaits a call without a second thread: the 
 thread wakes the loop itself when the call ends (one hop there, one back), where
 awaiting the future from anyio's thread pool cost a pool thread's wake-up and hand-back
 on every forward pass and sample.
+
+:class:`InlineCompute` is the other choice (``EngineConfig.inline_forward``): no thread at
+all, every call runs on the calling thread, i.e. the forward pass on the event loop's
+thread. A hand-over between threads costs two thread wake-ups a step, and on a small
+model whose forward pass is Python-bound (the GIL serialises it with the loop's work
+anyway) they were the larger part of a decode step's overhead
+(``benchmarks/step_overhead.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.lowlevel
 
-__all__ = ["ComputeThread"]
+__all__ = ["Compute", "ComputeThread", "InlineCompute", "make_compute"]
 
 T = TypeVar("T")
 
@@ -101,3 +108,37 @@ class ComputeThread:
             return
         self._closed = True
         self._pool.shutdown(wait=not self._on_thread())
+
+
+class InlineCompute:
+    """The :class:`ComputeThread` interface without a thread: calls run where they are made.
+
+    ``run`` blocks the event loop for the whole call (a forward pass): for an engine
+    whose loop serves nothing else (offline generation, a benchmark, a worker of its
+    own) or whose steps are shorter than a thread hand-over. Awaiting it checks for
+    cancellation first, then the call is not cancellable, like the thread's.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn(*args)`` here and return its result."""
+        return fn(*args)
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn(*args)`` on the event loop's thread (blocking the loop meanwhile)."""
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return fn(*args)
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+Compute = ComputeThread | InlineCompute
+"""Where a runner's torch work runs: its own thread, or the caller's."""
+
+
+def make_compute(name: str, *, inline: bool = False) -> Compute:
+    """A :class:`ComputeThread` named ``name``, or an :class:`InlineCompute` when ``inline``."""
+    return InlineCompute(name) if inline else ComputeThread(name)

@@ -19,7 +19,7 @@ from connectors.base import ForwardContext, KVConnectorWorker, ModelFingerprint
 from connectors.device import DeviceSync, make_device_sync
 from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.errors import StageError
-from stages.forward.compute_thread import ComputeThread
+from stages.forward.compute_thread import Compute, make_compute
 from stages.forward.config import ModelConfig
 from stages.forward.inputs import RequestStates
 from stages.forward.kv_cache import allocate_kv_caches, local_kv_heads
@@ -62,9 +62,11 @@ class ModelRunner:
     (how the model is sharded: ``TensorParallel()`` for a whole model) are read-only.
     """
 
-    def __init__(self, parts: RunnerParts, *, compute: ComputeThread | None = None) -> None:
+    def __init__(self, parts: RunnerParts, *, compute: Compute | None = None) -> None:
         spec, loaded, tp = parts.spec, parts.loaded, parts.tp
-        self.compute = compute or ComputeThread(f"kvstep-compute-r{parts.rank}")
+        self.compute = compute or make_compute(
+            f"kvstep-compute-r{parts.rank}", inline=spec.inline_forward
+        )
         self.spec = spec
         self._loaded = loaded
         self.model: CausalLM = loaded.model
@@ -128,7 +130,9 @@ class ModelRunner:
         Arguments, errors and blocking are those of
         :func:`~stages.forward.runner_load.load_parts` (``shared_model`` is a runner
         here); the loading and the cache allocation run on the new runner's compute
-        thread, which then runs every forward pass and sample.
+        thread, which then runs every forward pass and sample (with
+        ``spec.inline_forward``: on the calling thread, and the passes on the thread
+        that awaits the forward stage, the event loop's).
 
         Raises:
             InvalidConfigError: A bad option (see :class:`RunnerSpec`) or argument.
@@ -140,7 +144,7 @@ class ModelRunner:
         elif options:
             raise TypeError(f"options {sorted(options)} belong in the RunnerSpec")
         shared = None if shared_model is None else shared_model._shared_weights()
-        compute = ComputeThread(f"kvstep-compute-r{rank}")
+        compute = make_compute(f"kvstep-compute-r{rank}", inline=spec.inline_forward)
 
         def build() -> ModelRunner:
             parts = load_parts(spec, rank=rank, shared_model=shared, tp=tp)

@@ -38,6 +38,8 @@ class RunnerSpec:
         kv_cache_memory_bytes: Cap of the default cache size.
         seed: Seed of the sampler for requests without their own seed.
         world_size: Number of ranks.
+        inline_forward: Run the forward pass and sampling on the thread that awaits
+            them (the event loop's) instead of the runner's compute thread.
 
     Raises:
         InvalidConfigError: A size that is not a positive integer, naming the field.
@@ -55,11 +57,14 @@ class RunnerSpec:
     kv_cache_memory_bytes: int = 2 << 30
     seed: int = 0
     world_size: int = 1
+    inline_forward: bool = False
 
     def __attrs_post_init__(self) -> None:
         for name in _POSITIVE:
             check_int(name, getattr(self, name), InvalidConfigError, lo=1)
         check_int("num_blocks", self.num_blocks, InvalidConfigError, lo=1, optional=True)
+        if not isinstance(self.inline_forward, bool):
+            raise InvalidConfigError("inline_forward", self.inline_forward, "must be a bool")
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, device: str | None = None) -> RunnerSpec:
