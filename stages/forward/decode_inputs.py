@@ -66,6 +66,7 @@ class DecodeInputs:
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
+        self._on_cpu = device.type == "cpu"
         self._buffers: dict[tuple[int, int], _Buffers] = {}
 
     def build(
@@ -79,6 +80,7 @@ class DecodeInputs:
         """
         bs = self.block_size
         ctx = [r.num_computed_tokens for r in requests]
+        req_tables = [tables[r.req_id] for r in requests]
         needed = [c // bs + 1 for c in ctx]  # blocks that hold context + the new token
         key = (len(requests), max(needed))
         buf = self._buffers.pop(key, None)
@@ -87,33 +89,32 @@ class DecodeInputs:
                 del self._buffers[next(iter(self._buffers))]  # the least recently used
             buf = _Buffers(*key, self.device)
         self._buffers[key] = buf  # most recently used last
+        # Per-request numbers in Python, one slice assignment per array: a small batch's
+        # numpy calls (each several µs between two forward passes) cost more.
         buf.ids[:] = [r.token_ids[0] for r in requests]
         buf.pos[:] = ctx
-        np.add(buf.pos, 1, out=buf.seq)
+        buf.seq[:] = [c + 1 for c in ctx]
+        buf.slots[:] = [t[c // bs] * bs + c % bs for t, c in zip(req_tables, ctx, strict=True)]
         table = buf.table
         width = key[1]
-        for i, r in enumerate(requests):
-            n = needed[i]
-            table[i, :n] = tables[r.req_id][:n]
+        for i, n in enumerate(needed):
+            table[i, :n] = req_tables[i][:n]
             if n < width:
                 table[i, n:] = 0
         rows = buf.tensors["rows"]
-        blocks = table[np.arange(key[0]), buf.pos // bs]
-        np.add(blocks * bs, buf.pos % bs, out=buf.slots)
         t = buf.tensors
-        if self.device.type != "cpu":
+        if not self._on_cpu:
             t = {**t, **{k: t[k].to(self.device) for k in ("ids", "pos", "seq", "slots", "table")}}
-        seq_lens = buf.seq
-        same = bool((seq_lens == seq_lens[0]).all())
+        same = min(ctx) == max(ctx)
         mask = None
         if not same:
-            span = np.arange(width * bs)[None, :] < seq_lens[:, None]
+            span = np.arange(width * bs)[None, :] < buf.seq[:, None]
             mask = torch.from_numpy(span).to(self.device)[:, None, None, :]
         decode = DecodeBatch(
             token_rows=rows,
             first_row=0,
             block_table=t["table"],
-            seq_len=int(seq_lens[0]) if same else None,
+            seq_len=ctx[0] + 1 if same else None,
             mask=mask,
         )
         meta = AttentionMetadata(
