@@ -8,7 +8,7 @@ hold this rank's slice (see :mod:`stages.forward.parallel`); parameter names sta
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ from stages.forward.config import ModelConfig
 from stages.forward.parallel import TensorParallel, row_parallel_linear
 from stages.forward.rope import CosSin, apply_rotary
 
-__all__ = ["Attention", "DecoderLayer", "LayerHooks", "MLP", "RMSNorm"]
+__all__ = ["MLP", "Attention", "DecoderLayer", "LayerHooks", "Projection", "RMSNorm", "rms_norm"]
 
 
 class LayerHooks(Protocol):
@@ -36,6 +36,14 @@ class LayerHooks(Protocol):
     def after_attention(self, layer: int) -> None: ...
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square norm of the last dimension, computed in float32."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, as Hugging Face Llama does."""
 
@@ -45,10 +53,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+Projection = tuple[torch.Tensor, torch.Tensor | None] | nn.Module
+"""A plain ``nn.Linear``'s ``(weight, bias)``, or a linear module that must be called
+(a row-parallel one all-reduces its output)."""
+
+
+def _projection(module: nn.Module) -> Projection:
+    return (module.weight, module.bias) if type(module) is nn.Linear else module
+
+
+def _project(p: Projection, x: torch.Tensor) -> torch.Tensor:
+    if type(p) is tuple:
+        return F.linear(x, p[0], p[1])
+    out: torch.Tensor = p(x)  # type: ignore[operator]
+    return out
 
 
 class Attention(nn.Module):
@@ -115,7 +136,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residual connections."""
+    """Pre-norm attention and MLP blocks with residual connections.
+
+    :meth:`forward` reads the layer's tensors from a tuple of references taken at its
+    first call (:meth:`_refs`), instead of calling eight submodules (``nn.Module``
+    dispatch and attribute lookups cost more than a small decode step's matmuls).
+    The references follow the parameters: when ``input_layernorm.weight`` is no
+    longer the tensor they hold (new weights were assigned), they are taken again.
+    The submodules' own ``forward`` compute the same thing.
+    """
 
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -123,6 +152,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._refs_cache: tuple[Any, ...] | None = None
+
+    def _refs(self) -> tuple[Any, ...]:
+        refs = self._refs_cache
+        norm = self.input_layernorm
+        if refs is None or refs[0] is not norm.weight:
+            a, m, post = self.self_attn, self.mlp, self.post_attention_layernorm
+            refs = (norm.weight, norm.eps, _projection(a.q_proj), _projection(a.k_proj),
+                    _projection(a.v_proj), _projection(a.o_proj), post.weight, post.eps,
+                    _projection(m.gate_proj), _projection(m.up_proj), _projection(m.down_proj),
+                    a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.layer)  # fmt: skip
+            self._refs_cache = refs
+        return refs
 
     def forward(
         self,
@@ -132,5 +174,18 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         hooks: LayerHooks | None,
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache, hooks)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        (norm_w, norm_eps, q_p, k_p, v_p, o_p, post_w, post_eps, gate_p, up_p, down_p,
+         heads, kv_heads, head_dim, scale, layer) = self._refs()  # fmt: skip
+        t = x.shape[0]
+        h = rms_norm(x, norm_w, norm_eps)
+        q = apply_rotary(_project(q_p, h).view(t, heads, head_dim), *rope)
+        k = apply_rotary(_project(k_p, h).view(t, kv_heads, head_dim), *rope)
+        v = _project(v_p, h).view(t, kv_heads, head_dim)
+        if hooks is not None:
+            hooks.before_attention(layer)
+        o = paged_attention(q, k, v, kv_cache, meta, scale)
+        if hooks is not None:
+            hooks.after_attention(layer)
+        x = x + _project(o_p, o.view(t, heads * head_dim))
+        h = rms_norm(x, post_w, post_eps)
+        return x + _project(down_p, F.silu(_project(gate_p, h)) * _project(up_p, h))

@@ -19,7 +19,7 @@ from torch import nn
 
 from stages.forward.attention import AttentionMetadata
 from stages.forward.config import ModelConfig
-from stages.forward.layers import DecoderLayer, LayerHooks, RMSNorm
+from stages.forward.layers import DecoderLayer, LayerHooks, RMSNorm, rms_norm
 from stages.forward.parallel import (
     UNSHARDED,
     TensorParallel,
@@ -123,12 +123,13 @@ class CausalLM(nn.Module):
 
         Blocks the calling thread for the whole computation; call it off the event loop.
         """
-        h = self.model.embed_tokens(input_ids)
+        model = self.model
+        h = F.embedding(input_ids, model.embed_tokens.weight)
         rope = self.rotary.cos_sin(positions, h.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, rope, attn_meta, kv_cache, hooks)
-        out: torch.Tensor = self.model.norm(h)
-        return out
+        for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
+            h = layer.forward(h, rope, attn_meta, kv_cache, hooks)  # no hooks of its own
+        norm = model.norm
+        return rms_norm(h, norm.weight, norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for hidden rows ``[N, hidden]``.
