@@ -91,11 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--warmup", type=int, default=2, help="untimed requests first")
     group.add_argument("--check-requests", type=int, default=4, help="unpadded references")
     group.add_argument("--no-prefix-caching", action="store_true", help="kvstep's cache off")
-    group.add_argument(
-        "--async-scheduling",
-        action="store_true",
-        help="also run kvstep with async scheduling (reported beside it, in its own process)",
-    )
+    for flag, what in (
+        ("--async-scheduling", "async scheduling"),
+        ("--inline-forward", "the forward pass on its event loop's thread"),
+    ):
+        group.add_argument(
+            flag, action="store_true",
+            help=f"also run kvstep with {what} (reported beside it, in its own process)",
+        )  # fmt: skip
     group.add_argument("--scenario", choices=SCENARIOS, help=argparse.SUPPRESS)
 
 
@@ -127,8 +130,16 @@ def _ids(text: str, vocab: int) -> list[int]:
 # -- the two engines (each in a child process) ---------------------------------------------
 
 
+VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
+    "async_scheduling": ("kvstep-async", {"async_scheduling": True}),
+    "inline_forward": ("kvstep-inline", {"inline_forward": True}),
+}
+"""Flag (``args`` attribute) -> (engine name, ``EngineConfig`` overrides) of kvstep's
+variants, each compared with kvstep's defaults on the same workload."""
+
+
 async def _kvstep(
-    args: argparse.Namespace, path: Path, jobs: list[Job], warm: list[Job], ahead: bool
+    args: argparse.Namespace, path: Path, jobs: list[Job], warm: list[Job], overrides: Any
 ) -> Any:
     longest = max(len(j.prompt) + j.max_tokens for j in jobs + warm)
     config = EngineConfig(
@@ -137,7 +148,7 @@ async def _kvstep(
         max_num_seqs=args.batch,
         max_model_len=longest + 16,
         enable_prefix_caching=not args.no_prefix_caching,
-        async_scheduling=ahead,
+        **overrides,
     )
     async with AsyncEngine(config) as engine:
         await _drive(engine, warm)
@@ -245,8 +256,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     jobs = workload(args, vocab, args.scenario)
     warm = workload(args, vocab, args.scenario, warmup=True)
-    if args.engine in ("kvstep", "kvstep-async"):
-        result = anyio.run(_kvstep, args, path, jobs, warm, args.engine == "kvstep-async")
+    variants = {name: overrides for name, overrides in VARIANTS.values()}
+    if args.engine == "kvstep" or args.engine in variants:
+        overrides = variants.get(args.engine, {})
+        result = anyio.run(_kvstep, args, path, jobs, warm, overrides)
     else:
         result = _baseline(args, path, jobs, warm)
     args.json.write_text(json.dumps(result))
@@ -290,14 +303,12 @@ def compare(
                 "identical_transformers_vs_reference": report.same(hf_tokens, hf["reference"]),
             }
             run["ratio"] = run["kvstep"]["output_tok_s"] / run["transformers"]["output_tok_s"]
-            if args.async_scheduling:
-                ahead = _child_run(script, argv, "kvstep-async", scenario, path)
-                run["kvstep_async"] = report.summarize(jobs, ahead["requests"])
-                tok_s = run["kvstep_async"]["output_tok_s"]
-                run["async_ratio"] = tok_s / run["kvstep"]["output_tok_s"]
-                run["identical_async"] = report.same(
-                    [r["tokens"] for r in ahead["requests"]], kv_tokens
-                )
+            for flag, (engine, _) in VARIANTS.items():
+                if getattr(args, flag):
+                    variant = _child_run(script, argv, engine, scenario, path)
+                    run[engine] = report.summarize(jobs, variant["requests"])
+                    tokens = [r["tokens"] for r in variant["requests"]]
+                    run[f"{engine}_identical"] = report.same(tokens, kv_tokens)
             runs.append(run)
     prompt_tokens = [len(j.prompt) for j in jobs]
     result = {

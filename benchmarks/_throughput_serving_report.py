@@ -65,7 +65,7 @@ def print_table(result: dict[str, Any]) -> None:
     head = f"{'scenario':<12}{'engine':<14}{'tok/s':>9}{'req/s':>8}"
     print(head + "".join(f"{m:>12}" for m in ("TTFT p50", "TTFT p99", "ITL p50", "ITL p99")))
     for run in result["runs"]:
-        for engine in ("transformers", "kvstep", "kvstep_async"):
+        for engine in ("transformers", "kvstep", "kvstep-async", "kvstep-inline"):
             if engine not in run:
                 continue
             row = run[engine]
@@ -84,11 +84,13 @@ def print_table(result: dict[str, Any]) -> None:
             f"kvstep {run['identical_kvstep_vs_reference']:.0%}, transformers "
             f"{run['identical_transformers_vs_reference']:.0%}"
         )
-        if "kvstep_async" in run:
-            print(
-                f"{run['scenario']}: kvstep async scheduling / in series "
-                f"{run['async_ratio']:.3f}x; identical outputs {run['identical_async']:.0%}"
-            )
+        for engine in ("kvstep-async", "kvstep-inline"):
+            if engine in run:
+                ratio = run[engine]["output_tok_s"] / run["kvstep"]["output_tok_s"]
+                print(
+                    f"{run['scenario']}: {engine} / kvstep {ratio:.3f}x; identical outputs "
+                    f"{run[f'{engine}_identical']:.0%}"
+                )
     if "saturation_ratio" in result:
         verdict = "meets" if result["meets_target"] else "MISSES"
         print(

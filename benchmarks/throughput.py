@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--json", type=Path, default=RESULTS / "throughput.json")
     parser.add_argument(
-        "--engine", choices=["both", "kvstep", "kvstep-async", "transformers"], default="both"
+        "--engine",
+        choices=["both", "kvstep", "kvstep-async", "kvstep-inline", "transformers"],
+        default="both",
     )
     parser.add_argument("--model-path", type=Path, default=None, help=argparse.SUPPRESS)
     serving.add_arguments(parser)
