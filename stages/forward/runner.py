@@ -21,6 +21,7 @@ from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.errors import StageError
 from stages.forward.compute_thread import Compute, make_compute
 from stages.forward.config import ModelConfig
+from stages.forward.histories import TokenHistories
 from stages.forward.inputs import RequestStates
 from stages.forward.kv_cache import allocate_kv_caches, local_kv_heads
 from stages.forward.logprobs import add_logprobs
@@ -106,8 +107,7 @@ class ModelRunner:
         self._sampler = Sampler(
             seed=spec.seed, device=self.device, eos_token_id=loaded.config.eos_token_id
         )
-        # Every token so far of the requests whose sampling reads them (penalties).
-        self._histories: dict[str, list[int]] = {}
+        self._histories = TokenHistories()  # of the requests whose sampling reads them
         self._closed = False
 
     @classmethod
@@ -202,12 +202,12 @@ class ModelRunner:
         if self._closed:
             raise StageError("forward", scheduler_output.step_id, "the model runner is closed")
         self._states.drop(scheduler_output.finished_req_ids)
-        self._drop_histories(scheduler_output.finished_req_ids)
+        self._histories.drop(scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
             empty = torch.empty(0, self.model_config.vocab_size, device=self.device)
             return ModelOutput(req_ids=(), logits=empty, num_tokens=0)
         self._states.update(scheduler_output)
-        self._track_histories(scheduler_output)
+        self._histories.track(scheduler_output)
         batch = self._states.prepare(scheduler_output, self.device)
         hooks = None
         if connector is not None:
@@ -254,9 +254,7 @@ class ModelRunner:
             return SampledTokens(token_ids={})
         by_id = {r.req_id: r for r in scheduler_output.requests}
         scheduled = [by_id[req_id] for req_id in model_output.req_ids]
-        histories = None
-        if self._histories:
-            histories = [self._histories.get(r.req_id) for r in scheduled]
+        histories = self._histories.rows(scheduled)
         with torch.inference_mode():
             tokens, errors = self._sampler.sample_rows(
                 model_output.logits,
@@ -280,27 +278,7 @@ class ModelRunner:
         """
         req_ids = list(req_ids)
         self._states.drop(req_ids)
-        self._drop_histories(req_ids)
-
-    def _drop_histories(self, req_ids: Iterable[str]) -> None:
-        if self._histories:
-            for req_id in req_ids:
-                self._histories.pop(req_id, None)
-
-    def _track_histories(self, scheduler_output: SchedulerOutput) -> None:
-        """Follow the tokens of the requests with a penalty (``needs_history``).
-
-        A new request starts from its ``prefix_token_ids`` (the cached tokens) and its
-        chunk; later chunks extend it. A new request whose prefix is not the length of
-        its cached context gets no history: its penalty rows fail alone at sampling.
-        """
-        for r in scheduler_output.requests:
-            if r.new:
-                self._histories.pop(r.req_id, None)
-                if r.sampling.needs_history and len(r.prefix_token_ids) == r.num_computed_tokens:
-                    self._histories[r.req_id] = [*r.prefix_token_ids, *r.token_ids]
-            elif r.req_id in self._histories:
-                self._histories[r.req_id].extend(r.token_ids)
+        self._histories.drop(req_ids)
 
     def block_table(self, req_id: str) -> tuple[int, ...]:
         """The block table this worker holds for ``req_id`` (KeyError when unknown)."""
