@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from stages.forward.attention import AttentionMetadata, paged_attention
 from stages.forward.config import ModelConfig
@@ -54,6 +55,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+_ASSIGNMENTS = [0]
+"""Parameters assigned to any module of this process so far (a parameter's
+registration, which setting ``module.weight = Parameter(...)`` or
+``load_state_dict(assign=True)`` does): a change tells each layer to take its
+references again."""
+
+
+def _count_assignment(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    _ASSIGNMENTS[0] += 1
+
+
+register_module_parameter_registration_hook(_count_assignment)
 
 
 Projection = tuple[torch.Tensor, torch.Tensor | None] | nn.Module
@@ -138,12 +153,14 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections.
 
-    :meth:`forward` reads the layer's tensors from a tuple of references taken at its
-    first call (:meth:`_refs`), instead of calling eight submodules (``nn.Module``
-    dispatch and attribute lookups cost more than a small decode step's matmuls).
-    The references follow the parameters: when ``input_layernorm.weight`` is no
-    longer the tensor they hold (new weights were assigned), they are taken again.
-    The submodules' own ``forward`` compute the same thing.
+    :meth:`forward` reads the layer's tensors from a tuple of references (to the
+    parameters themselves, not copies), instead of calling eight submodules:
+    ``nn.Module`` dispatch and attribute lookups cost more than a small decode step's
+    matmuls. It computes what the submodules' own ``forward`` compute. The references
+    are taken again after any parameter of the process was assigned
+    (``module.weight = Parameter(...)``, ``load_state_dict(assign=True)``) and after
+    ``.to()``-style conversions (:meth:`_apply`); in-place changes (``.data``,
+    ``copy_``, ``load_state_dict``) reach them directly.
     """
 
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
@@ -152,19 +169,24 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._refs_cache: tuple[Any, ...] | None = None
+        self._refs_cache: tuple[int, tuple[Any, ...]] | None = None
 
     def _refs(self) -> tuple[Any, ...]:
-        refs = self._refs_cache
-        norm = self.input_layernorm
-        if refs is None or refs[0] is not norm.weight:
-            a, m, post = self.self_attn, self.mlp, self.post_attention_layernorm
-            refs = (norm.weight, norm.eps, _projection(a.q_proj), _projection(a.k_proj),
-                    _projection(a.v_proj), _projection(a.o_proj), post.weight, post.eps,
-                    _projection(m.gate_proj), _projection(m.up_proj), _projection(m.down_proj),
-                    a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.layer)  # fmt: skip
-            self._refs_cache = refs
+        cache = self._refs_cache
+        if cache is not None and cache[0] == _ASSIGNMENTS[0]:
+            return cache[1]
+        a, m = self.self_attn, self.mlp
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        refs = (norm.weight, norm.eps, _projection(a.q_proj), _projection(a.k_proj),
+                _projection(a.v_proj), _projection(a.o_proj), post.weight, post.eps,
+                _projection(m.gate_proj), _projection(m.up_proj), _projection(m.down_proj),
+                a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.layer)  # fmt: skip
+        self._refs_cache = (_ASSIGNMENTS[0], refs)
         return refs
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DecoderLayer:
+        self._refs_cache = None  # a conversion may put new parameters in place
+        return super()._apply(fn, recurse)
 
     def forward(
         self,
