@@ -13,6 +13,9 @@ fp32 weights, ~120 MB, and bf16 weights exceed a 32 MiB L3), then times, for kvs
 and transformers (each in a fresh process): one prefill step of ``--prefill-tokens``
 (sequences of ``--prefill-seq-len``), as FLOP/s against the GEMM peak, and batch-1
 decode, as ms/token against the weight-streaming bound (weight bytes / bandwidth).
+It also times torch's own batch-1 ``F.linear`` over matrices of the model's weight
+shapes (the decode step's matmuls and nothing else): the floor of any engine built on
+torch's CPU kernels, which may lie far above the bound.
 JSON goes to ``benchmarks/results/roofline.json``.
 """
 
@@ -67,6 +70,30 @@ def read_bandwidth(mib: int, repeats: int) -> float:
     """GB/s of ``sum`` over a ``mib``-MiB float32 buffer (read once per call)."""
     x = torch.ones(mib * 2**20 // 4)
     return x.numel() * 4 / _best(lambda: x.sum(), repeats) / 1e9
+
+
+def weight_shapes(path: Path) -> list[tuple[int, int]]:
+    """``(out, in)`` of every matmul weight a decode token passes through (``lm_head`` last)."""
+    cfg = json.loads((path / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    layer = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inter, hidden),
+             (inter, hidden), (hidden, inter)]  # fmt: skip
+    return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], hidden)]
+
+
+def gemv_floor(shapes: list[tuple[int, int]], dtype: torch.dtype, repeats: int) -> float:
+    """Seconds of batch-1 ``F.linear`` over one weight of each shape (random values)."""
+    weights = [torch.randn(shape).to(dtype) for shape in shapes]
+    inputs = {n: torch.randn(1, n).to(dtype) for n in {w.shape[1] for w in weights}}
+
+    def once() -> None:
+        with torch.inference_mode():
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+    return _best(once, max(repeats, 5))
 
 
 def model_counts(path: Path, dtype: str, seq_len: int) -> dict[str, float]:
@@ -173,14 +200,19 @@ def _report(result: dict[str, Any]) -> None:
         f"{result['weight_bytes'] / 1e6:.1f} MB ({result['dtype']}) -> bound {bound:.2f} ms/token"
     )
     print(
+        f"torch's batch-1 F.linear over the same weights: {result['gemv_floor_ms']:.2f} ms "
+        f"({result['gemv_gb_s']:.1f} GB/s), {result['gemv_floor_ms'] / bound:.2f}x the bound"
+    )
+    print(
         f"{'engine':<14}{'prefill s':>10}{'GFLOP/s':>9}{'of peak':>9}"
-        f"{'decode ms':>11}{'x bound':>9}"
+        f"{'decode ms':>11}{'x bound':>9}{'x F.linear':>11}"
     )
     for name in ("kvstep", "transformers"):
         r = result[name]
         print(
             f"{name:<14}{r['prefill_s']:>10.2f}{r['prefill_gflop_s']:>9.1f}"
             f"{r['prefill_peak_fraction']:>9.0%}{r['decode_ms']:>11.2f}{r['decode_x_bound']:>9.2f}"
+            f"{r['decode_x_gemv_floor']:>11.2f}"
         )
     print(f"(peak used: {result['dtype']} GEMM, {peak:.1f} GFLOP/s)")
 
@@ -220,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         path = Path(tmp) / "llama-30m"
         result["model_parameters"] = build_model(path)
         counts = model_counts(path, args.dtype, args.prefill_seq_len)
+        gemv_s = gemv_floor(weight_shapes(path), DTYPES[args.dtype], args.repeats)
         timed = {
             engine: _in_subprocess(engine, path, args) for engine in ("kvstep", "transformers")
         }
@@ -227,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peak = result[f"gemm_{args.dtype}"]["gflop_s"]
     bound_s = counts["weight_bytes"] / (result["read_bandwidth_gb_s"] * 1e9)
     result.update(gemm_peak_gflop_s=peak, decode_bound_ms=bound_s * 1e3)
+    result.update(gemv_floor_ms=gemv_s * 1e3, gemv_gb_s=counts["weight_bytes"] / gemv_s / 1e9)
     n_seqs = args.prefill_tokens // args.prefill_seq_len
     flops = counts["prefill_flops_per_token"] * args.prefill_tokens
     flops += 2 * counts["lm_head_params"] * n_seqs
@@ -239,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "prefill_peak_fraction": rate / peak,
             "decode_ms": t["decode_s_per_token"] * 1e3,
             "decode_x_bound": t["decode_s_per_token"] / bound_s,
+            "decode_x_gemv_floor": t["decode_s_per_token"] / gemv_s,
         }
     _report(result)
     save(args.json, result)
