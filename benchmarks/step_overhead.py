@@ -42,9 +42,7 @@ import importlib.metadata
 import platform
 import statistics
 import sys
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from time import perf_counter_ns
 from typing import Any, ClassVar
 
 import anyio
@@ -53,27 +51,14 @@ import attrs
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _decode_step import measure_decode_step, print_decode_step
+from _fan_in_cost import measure_fan_in, print_fan_in
 from _kv_events_cost import measure_kv_events, print_kv_events
-from _noop import NoopStage
+from _noop import NoopStage, median_us
 from _results import save
 
-from pipeline.artifacts import (
-    LoadStarted,
-    MetadataBound,
-    ModelOutput,
-    SampledTokens,
-    SaveResult,
-    SchedulerOutput,
-    WorkerOutput,
-)
-from pipeline.executors.inprocess import InProcessExecutor
-from pipeline.executors.worker import Worker
 from pipeline.kernel.context import StepContext
 from pipeline.kernel.graph import StepGraph
 from pipeline.kernel.stage import Finalizer
-from pipeline.steplog import StepLog
-from stages.execute import ExecuteStage
-from stages.fan_in import FanInAggregator, FanInStage
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "step_overhead.json"
 ARTIFACTS = tuple(type(f"A{i}", (), {"__slots__": ()}) for i in range(10))
@@ -147,19 +132,6 @@ async def by_hand_with_groups(
         fin.finalize(ctx)
 
 
-async def median_us(step: Callable[[StepContext], Coroutine[Any, Any, Any]], steps: int) -> float:
-    """Median wall time of one step, in µs, after a warm-up."""
-    for i in range(min(steps, 500)):
-        await step(StepContext(i))
-    samples = []
-    for i in range(steps):
-        ctx = StepContext(i)
-        t0 = perf_counter_ns()
-        await step(ctx)
-        samples.append(perf_counter_ns() - t0)
-    return statistics.median(samples) / 1000.0
-
-
 async def measure(steps: int) -> list[dict[str, Any]]:
     """Run every variant; graph and baseline alternate in rounds to share any drift."""
     rows = []
@@ -195,114 +167,6 @@ async def measure(steps: int) -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-@attrs.frozen
-class NoopFinished:
-    """The worker graph's last stage: this rank's (empty) ``WorkerOutput`` of the step."""
-
-    name: ClassVar[str] = "finished"
-    requires: ClassVar[tuple[type, ...]] = (SchedulerOutput, SampledTokens, SaveResult)
-    provides: ClassVar[type] = WorkerOutput
-
-    rank: int
-
-    async def run(self, ctx: StepContext) -> WorkerOutput:
-        return WorkerOutput(rank=self.rank, step_id=ctx.step_id)
-
-
-@attrs.frozen
-class NoopClear(Finalizer):
-    """A finalizer without a drain, like the connector ``clear``."""
-
-    name: ClassVar[str] = "clear"
-
-    def finalize(self, ctx: StepContext) -> None:
-        ctx.scratch["cleared"] = True
-
-
-def noop_worker(rank: int, step_log: StepLog) -> Worker:
-    """A real Worker whose graph has the default shape and no-op stages."""
-    so = (SchedulerOutput,)
-    graph = StepGraph(
-        [
-            NoopStage("bind", so, MetadataBound, MetadataBound(False)),
-            NoopStage("load", (*so, MetadataBound), LoadStarted, LoadStarted(False)),
-            NoopStage(
-                "forward", (*so, LoadStarted), ModelOutput, ModelOutput(req_ids=(), logits=None)
-            ),
-            NoopStage("sample", (*so, ModelOutput), SampledTokens, SampledTokens()),
-            NoopStage("save", (ModelOutput,), SaveResult, SaveResult()),
-            NoopFinished(rank),
-            NoopClear(),
-        ],
-        inputs=so,
-        name="worker",
-    )
-    return Worker(rank, graph, connector=None, runner=None, step_log=step_log)
-
-
-def fan_in_graph(workers: list[Worker]) -> StepGraph:
-    """``execute → fan_in`` over the in-process executor of ``workers``."""
-    return StepGraph(
-        [
-            ExecuteStage(InProcessExecutor(workers)),
-            FanInStage(FanInAggregator(len(workers))),
-        ],
-        inputs=(SchedulerOutput,),
-        name="engine",
-    )
-
-
-async def measure_fan_in(steps: int, ranks: tuple[int, ...] = (1, 4)) -> dict[str, Any]:
-    """Per-step µs of ``execute → fan_in`` with each number of ranks, and one worker alone."""
-    step_log = StepLog(None)
-    graphs = {n: fan_in_graph([noop_worker(r, step_log) for r in range(n)]) for n in ranks}
-    alone = noop_worker(0, step_log)
-    outputs = [SchedulerOutput(step_id=i) for i in range(max(steps, 500))]
-
-    def engine_step(graph: StepGraph) -> Callable[[StepContext], Coroutine[Any, Any, Any]]:
-        async def run(ctx: StepContext) -> None:
-            await graph.run(StepContext(ctx.step_id, None, inputs=(outputs[ctx.step_id],)))
-
-        return run
-
-    async def worker_step(ctx: StepContext) -> None:
-        await alone.step(outputs[ctx.step_id])
-
-    samples: dict[str, list[float]] = {"worker": [], **{str(n): [] for n in ranks}}
-    for _ in range(3):  # rounds, so that every variant shares any drift
-        samples["worker"].append(await median_us(worker_step, steps // 3 or 1))
-        for n in ranks:
-            samples[str(n)].append(await median_us(engine_step(graphs[n]), steps // 3 or 1))
-    us = {k: statistics.median(v) for k, v in samples.items()}
-    one, many = us[str(ranks[0])], us[str(ranks[-1])]
-    return {
-        "graph": f"{graphs[ranks[0]]} (worker: {alone.graph})",
-        "worker_alone_us": round(us["worker"], 2),
-        **{f"ranks_{n}_us": round(us[str(n)], 2) for n in ranks},
-        "fan_in_added_us": round(one - us["worker"], 2),
-        "ratio": round(many / one, 2),
-        "per_extra_rank_us": round((many - one) / (ranks[-1] - ranks[0]), 2),
-    }
-
-
-def print_fan_in(row: dict[str, Any], backend: str, steps: int) -> None:
-    print(f"\nFan-in per step ({backend}, {steps} steps, no-op worker graphs)")
-    headers = (
-        "1 worker alone",
-        "1 rank µs",
-        "4 ranks µs",
-        "ratio 4/1",
-        "per extra rank",
-        "fan-in added",
-    )
-    cells = (f"{row['worker_alone_us']:.1f}", f"{row['ranks_1_us']:.1f}",
-             f"{row['ranks_4_us']:.1f}", f"{row['ratio']:.2f}x",
-             f"{row['per_extra_rank_us']:.1f}", f"{row['fan_in_added_us']:.1f}")  # fmt: skip
-    print("  ".join(f"{h:>15}" for h in headers))
-    print("  ".join(f"{c:>15}" for c in cells))
-    print(f"  {row['graph']}")
 
 
 def print_table(rows: list[dict[str, Any]], backend: str, steps: int) -> None:
