@@ -56,7 +56,6 @@ import sys
 import tempfile
 import time
 import zlib
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,6 +66,7 @@ import attrs
 import torch
 from _results import save
 from _serve_client import build_workload
+from _throughput_baseline import baseline
 from serve import _range
 
 from pipeline import AsyncEngine, EngineConfig, SamplingParams
@@ -177,78 +177,6 @@ async def _drive(engine: AsyncEngine, jobs: list[Job]) -> list[dict[str, Any]]:
     return records
 
 
-class _StepClock:
-    """A transformers streamer that stamps each decoding step (the first ``put`` is the
-    prompt, not a step)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self._prompt_seen:
-            self.times.append(time.perf_counter())
-        self._prompt_seen = True
-
-    def end(self) -> None:
-        pass
-
-
-def _baseline(args: argparse.Namespace, path: Path, jobs: list[Job], warm: list[Job]) -> Any:
-    import transformers
-
-    dtype = getattr(torch, args.dtypes[0])
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    model.generation_config.eos_token_id = None  # as kvstep's ignore_eos
-    with torch.inference_mode():
-        _static_batches(model, warm, args.batch)
-        records = _static_batches(model, jobs, args.batch)
-        refs = [_generate(model, [j], None)[1][0] for j in jobs[: args.check_requests]]
-    return {"requests": records, "reference": refs}
-
-
-def _static_batches(model: Any, jobs: list[Job], batch: int) -> list[dict[str, Any]]:
-    records: list[dict[str, Any]] = [{} for _ in jobs]
-    waiting = deque(range(len(jobs)))
-    batches: list[list[int]] = []
-    start = time.perf_counter()
-    while waiting:
-        now = time.perf_counter() - start
-        if jobs[waiting[0]].arrival_s > now:
-            time.sleep(jobs[waiting[0]].arrival_s - now)
-            continue
-        taken: list[int] = []
-        while waiting and len(taken) < batch and jobs[waiting[0]].arrival_s <= now:
-            taken.append(waiting.popleft())
-        clock = _StepClock()
-        width, tokens = _generate(model, [jobs[i] for i in taken], clock)
-        for row, i in enumerate(taken):
-            times = [t - start for t in clock.times[: jobs[i].max_tokens]]
-            shape = {"index": len(batches), "width": width, "steps": len(clock.times)}
-            records[i] = {"times": times, "tokens": tokens[row], "batch": shape}
-        batches.append(taken)
-    return records
-
-
-def _generate(model: Any, jobs: list[Job], clock: _StepClock | None) -> tuple[int, list]:
-    """One left-padded ``generate`` to the batch's longest output; each row's own tokens."""
-    width = max(len(j.prompt) for j in jobs)
-    ids = torch.zeros((len(jobs), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, job in enumerate(jobs):
-        ids[row, width - len(job.prompt) :] = torch.tensor(job.prompt)
-        mask[row, width - len(job.prompt) :] = 1
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=max(j.max_tokens for j in jobs),
-        do_sample=False,
-        pad_token_id=0,
-        streamer=clock,
-    )
-    return width, [out[row, width : width + j.max_tokens].tolist() for row, j in enumerate(jobs)]
-
-
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``args.engine`` on ``args.scenario``; write the records to ``args.json``."""
     torch.set_num_threads(args.threads)
@@ -261,7 +189,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         overrides = variants.get(args.engine, {})
         result = anyio.run(_kvstep, args, path, jobs, warm, overrides)
     else:
-        result = _baseline(args, path, jobs, warm)
+        result = baseline(args, path, jobs, warm)
     args.json.write_text(json.dumps(result))
     return {"requests": len(jobs)}
 
