@@ -31,6 +31,7 @@ RUN_DEFAULTS: dict[str, str] = {
     "connector": "shared_storage",
     "connector_options": '{"path": "<cache dir>/run-store"} with shared_storage',
     "enable_prefix_caching": "off",
+    "inline_forward": "on with executor inprocess",
     "max_model_len": "1024",
     "step_log": "<cache dir>/run-steps.jsonl",
 }

@@ -85,6 +85,8 @@ def default_run_config(**overrides: Any) -> EngineConfig:
 
     ``overrides`` (non-``None`` values only) replace fields; without an explicit
     ``connector_options``, ``shared_storage`` gets ``{"path": <cache>/run-store}``.
+    Without an explicit ``inline_forward``, the forward pass runs on the job's event
+    loop (which serves nothing else) when the executor is ``inprocess``.
     """
     fields: dict[str, Any] = {
         "model": "builtin:tiny",
@@ -94,6 +96,7 @@ def default_run_config(**overrides: Any) -> EngineConfig:
         "step_log": str(cache_dir() / "run-steps.jsonl"),
     }
     fields.update({k: v for k, v in overrides.items() if v is not None})
+    fields.setdefault("inline_forward", fields.get("executor", "inprocess") == "inprocess")
     if fields.get("connector") == "shared_storage" and not fields.get("connector_options"):
         fields["connector_options"] = {"path": str(cache_dir() / "run-store")}
     return EngineConfig(**fields)

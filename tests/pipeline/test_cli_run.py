@@ -64,6 +64,19 @@ class TestRunJob:
         assert config.enable_prefix_caching is False
         assert RunOptions().num_prompts > 1
 
+    def test_forward_inline_by_default_in_process_only(
+        self, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """The job's loop serves nothing else: its forward passes run there, unless the
+        flag says otherwise or the ranks run in worker processes."""
+        assert default_run_config().inline_forward is True
+        assert default_run_config(inline_forward=False).inline_forward is False
+        multiproc = default_run_config(executor="multiproc", world_size=2)
+        assert multiproc.inline_forward is False
+        with pytest.raises(SystemExit):
+            main(["run", "--help"])
+        assert "on with executor inprocess" in " ".join(capsys.readouterr().out.split())
+
     def test_bad_flag_value_exits_2_naming_it(
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
