@@ -127,9 +127,10 @@ class InlineCompute:
         return fn(*args)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run ``fn(*args)`` on the event loop's thread (blocking the loop meanwhile)."""
+        """Run ``fn(*args)`` on the event loop's thread (blocking the loop meanwhile), in a
+        copy of the caller's context, as the thread runs it."""
         await anyio.lowlevel.checkpoint_if_cancelled()
-        return fn(*args)
+        return contextvars.copy_context().run(fn, *args)
 
     def close(self) -> None:
         """Nothing to stop."""

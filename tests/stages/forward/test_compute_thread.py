@@ -6,11 +6,12 @@ import contextvars
 import threading
 from pathlib import Path
 
+import anyio
 import pytest
 
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput
 from pipeline.config import SamplingParams
-from stages.forward.compute_thread import ComputeThread
+from stages.forward.compute_thread import ComputeThread, InlineCompute
 from stages.forward.runner import ModelRunner
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
@@ -31,6 +32,32 @@ class TestComputeThread:
             compute.close()
         assert {first, *later} == {(first[0], "bound")}
         assert first[0] != threading.get_ident()
+
+    @pytest.mark.anyio
+    async def test_inline_runs_here_in_a_copy_of_the_callers_context(self) -> None:
+        """InlineCompute runs on the calling thread and sees the caller's context; what
+        the call binds stays in its copy, as with the thread."""
+        compute = InlineCompute("test-inline")
+        VAR.set("bound")
+
+        def call() -> tuple[int, str]:
+            seen = VAR.get()
+            VAR.set("set inside")
+            return threading.get_ident(), seen
+
+        assert await compute.run(call) == (threading.get_ident(), "bound")
+        assert VAR.get() == "bound"
+        assert compute.call(lambda: threading.get_ident()) == threading.get_ident()
+        compute.close()
+
+    @pytest.mark.anyio
+    async def test_inline_checks_for_cancellation_before_the_call(self) -> None:
+        """A run awaited in a cancelled scope does not call its function."""
+        calls: list[int] = []
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await InlineCompute("test-inline").run(calls.append, 1)
+        assert scope.cancelled_caught and not calls
 
     def test_close_joins_the_thread(self) -> None:
         """After close no compute thread is left running."""
