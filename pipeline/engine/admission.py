@@ -6,13 +6,17 @@ the bad value and what is allowed (:class:`~pipeline.errors.InvalidRequestError`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.checks import check_float
 from pipeline.config import SamplingParams
 from pipeline.engine.output_text import OutputText
 from pipeline.errors import InvalidRequestError
 from pipeline.executors.wire_checks import check_sendable
+from pipeline.request import Request
+from pipeline.transfer_params import check_transfer_params
 
 __all__ = ["check_params", "check_prompt"]
 
@@ -68,3 +72,41 @@ def check_params(params: object, output_text: OutputText, vocab_size: int) -> Sa
                 "logit_bias", tok, f"token ids must be in [0, vocab_size={vocab_size})"
             )
     return checked
+
+
+def new_request(
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    eos_token_id: int | list[int] | tuple[int, ...] | None,
+    arrival_time: float | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> Request:
+    """The :class:`Request` of a validated prompt and ``params``.
+
+    ``eos_token_id`` is the model's (its first when it lists several); ``arrival_time``
+    (``time.monotonic()``, default now) must be a finite time in the past;
+    ``kv_transfer_params`` is checked and copied (:mod:`pipeline.transfer_params`).
+
+    Raises:
+        InvalidRequestError: A bad ``arrival_time`` or ``kv_transfer_params``.
+    """
+    transfer = check_transfer_params(kv_transfer_params)
+    now = time.monotonic()
+    if arrival_time is not None:
+        arrival_time = check_float(
+            "arrival_time", arrival_time, InvalidRequestError, lo=0.0, hi=now
+        )
+    eos = eos_token_id
+    if isinstance(eos, list | tuple):
+        eos = eos[0] if eos else None
+    request = Request(
+        request_id,
+        prompt,
+        params,
+        eos_token_id=eos,
+        arrival_time=now if arrival_time is None else arrival_time,
+    )
+    request.kv_transfer_params = transfer
+    return request

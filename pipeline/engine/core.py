@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,24 +17,22 @@ import attrs
 from connectors.base import KVConnectorRole, KVConnectorScheduler
 from connectors.registry import create_connector, get_connector
 from pipeline.artifacts import EngineStepOutput, SchedulerOutput
-from pipeline.checks import check_float
 from pipeline.config import EngineConfig, SamplingParams
-from pipeline.engine.admission import check_params, check_prompt
+from pipeline.engine.admission import check_params, check_prompt, new_request
 from pipeline.engine.cancel import consume_native_cancel
 from pipeline.engine.kv_events import start_kv_events
 from pipeline.engine.output_text import OutputText
 from pipeline.engine.step_record import record_engine_step
-from pipeline.errors import EngineDeadError, InvalidRequestError, StepCancelledError
+from pipeline.errors import EngineDeadError, StepCancelledError
 from pipeline.executors.backends import start_executor
 from pipeline.executors.protocol import Executor
 from pipeline.executors.worker import Worker
 from pipeline.executors.worker_factory import GraphArg, apply_graph, connector_context
 from pipeline.kernel.context import StepContext
 from pipeline.logs import get_logger
-from pipeline.request import Request, RequestOutput
+from pipeline.request import RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.tokenizer import load_tokenizer
-from pipeline.transfer_params import check_transfer_params
 from stages.fan_in import FanInAggregator
 from stages.forward.builtin import tokenizer_dir
 from stages.graphs import default_engine_graph
@@ -177,23 +174,14 @@ class EngineCore:
                 JSON object.
         """
         self.validate_params(params)
-        transfer = check_transfer_params(kv_transfer_params)
-        now = time.monotonic()
-        if arrival_time is not None:
-            arrival_time = check_float(
-                "arrival_time", arrival_time, InvalidRequestError, lo=0.0, hi=now
-            )
-        eos = self.model_config.eos_token_id
-        if isinstance(eos, list | tuple):
-            eos = eos[0] if eos else None
-        request = Request(
+        request = new_request(
             request_id,
             prompt,
             params,
-            eos_token_id=eos,
-            arrival_time=now if arrival_time is None else arrival_time,
+            eos_token_id=self.model_config.eos_token_id,
+            arrival_time=arrival_time,
+            kv_transfer_params=kv_transfer_params,
         )
-        request.kv_transfer_params = transfer
         self.scheduler.add_request(request)
         self.output_text.add(request_id, params)
 
