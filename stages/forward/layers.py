@@ -20,7 +20,19 @@ from stages.forward.config import ModelConfig
 from stages.forward.parallel import TensorParallel, row_parallel_linear
 from stages.forward.rope import CosSin, apply_rotary
 
-__all__ = ["MLP", "Attention", "DecoderLayer", "LayerHooks", "Projection", "RMSNorm", "rms_norm"]
+__all__ = [
+    "MLP",
+    "Attention",
+    "AttentionRefs",
+    "DecoderLayer",
+    "LayerHooks",
+    "MLPRefs",
+    "Projection",
+    "RMSNorm",
+    "attend",
+    "rms_norm",
+    "swiglu",
+]
 
 
 class LayerHooks(Protocol):
@@ -87,6 +99,41 @@ def _project(p: Projection, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+AttentionRefs = tuple[Projection, Projection, Projection, Projection, int, int, int, float, int]
+"""q, k, v and o projections, heads, KV heads, head width, scale, layer index."""
+
+MLPRefs = tuple[Projection, Projection, Projection]
+"""gate, up and down projections."""
+
+
+def attend(
+    refs: AttentionRefs,
+    x: torch.Tensor,
+    rope: CosSin,
+    meta: AttentionMetadata,
+    kv_cache: torch.Tensor,
+    hooks: LayerHooks | None,
+) -> torch.Tensor:
+    """Self-attention of ``x [T, hidden]`` over the paged KV cache (its new K/V written)."""
+    q_p, k_p, v_p, o_p, heads, kv_heads, head_dim, scale, layer = refs
+    t = x.shape[0]
+    q = apply_rotary(_project(q_p, x).view(t, heads, head_dim), *rope)
+    k = apply_rotary(_project(k_p, x).view(t, kv_heads, head_dim), *rope)
+    v = _project(v_p, x).view(t, kv_heads, head_dim)
+    if hooks is not None:
+        hooks.before_attention(layer)
+    o = paged_attention(q, k, v, kv_cache, meta, scale)
+    if hooks is not None:
+        hooks.after_attention(layer)
+    return _project(o_p, o.view(t, heads * head_dim))
+
+
+def swiglu(refs: MLPRefs, x: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``."""
+    gate_p, up_p, down_p = refs
+    return _project(down_p, F.silu(_project(gate_p, x)) * _project(up_p, x))
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache.
 
@@ -111,6 +158,12 @@ class Attention(nn.Module):
             self.num_heads * hd, hidden, bias=config.o_proj_bias, tp=tp
         )
 
+    def refs(self) -> AttentionRefs:
+        """The tensors and sizes :func:`attend` reads."""
+        return (_projection(self.q_proj), _projection(self.k_proj), _projection(self.v_proj),
+                _projection(self.o_proj), self.num_heads, self.num_kv_heads, self.head_dim,
+                self.scale, self.layer)  # fmt: skip
+
     def forward(
         self,
         x: torch.Tensor,
@@ -119,16 +172,7 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         hooks: LayerHooks | None,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), *rope)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if hooks is not None:
-            hooks.before_attention(self.layer)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        if hooks is not None:
-            hooks.after_attention(self.layer)
-        return self.o_proj(o.view(t, self.num_heads * self.head_dim))
+        return attend(self.refs(), x, rope, meta, kv_cache, hooks)
 
 
 class MLP(nn.Module):
@@ -146,8 +190,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = row_parallel_linear(inter, hidden, bias=bias, tp=tp)
 
+    def refs(self) -> MLPRefs:
+        """The projections :func:`swiglu` reads."""
+        return _projection(self.gate_proj), _projection(self.up_proj), _projection(self.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return swiglu(self.refs(), x)
 
 
 class DecoderLayer(nn.Module):
@@ -156,7 +204,8 @@ class DecoderLayer(nn.Module):
     :meth:`forward` reads the layer's tensors from a tuple of references (to the
     parameters themselves, not copies), instead of calling eight submodules:
     ``nn.Module`` dispatch and attribute lookups cost more than a small decode step's
-    matmuls. It computes what the submodules' own ``forward`` compute. The references
+    matmuls. It runs the same functions as the submodules' own ``forward``
+    (:func:`attend`, :func:`swiglu`, :func:`rms_norm`). The references
     are taken again after any parameter of the process was assigned
     (``module.weight = Parameter(...)``, ``load_state_dict(assign=True)``) and after
     ``.to()``-style conversions (:meth:`_apply`); in-place changes (``.data``,
@@ -175,12 +224,9 @@ class DecoderLayer(nn.Module):
         cache = self._refs_cache
         if cache is not None and cache[0] == _ASSIGNMENTS[0]:
             return cache[1]
-        a, m = self.self_attn, self.mlp
         norm, post = self.input_layernorm, self.post_attention_layernorm
-        refs = (norm.weight, norm.eps, _projection(a.q_proj), _projection(a.k_proj),
-                _projection(a.v_proj), _projection(a.o_proj), post.weight, post.eps,
-                _projection(m.gate_proj), _projection(m.up_proj), _projection(m.down_proj),
-                a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.layer)  # fmt: skip
+        refs = (norm.weight, norm.eps, self.self_attn.refs(), post.weight, post.eps,
+                self.mlp.refs())  # fmt: skip
         self._refs_cache = (_ASSIGNMENTS[0], refs)
         return refs
 
@@ -196,18 +242,6 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         hooks: LayerHooks | None,
     ) -> torch.Tensor:
-        (norm_w, norm_eps, q_p, k_p, v_p, o_p, post_w, post_eps, gate_p, up_p, down_p,
-         heads, kv_heads, head_dim, scale, layer) = self._refs()  # fmt: skip
-        t = x.shape[0]
-        h = rms_norm(x, norm_w, norm_eps)
-        q = apply_rotary(_project(q_p, h).view(t, heads, head_dim), *rope)
-        k = apply_rotary(_project(k_p, h).view(t, kv_heads, head_dim), *rope)
-        v = _project(v_p, h).view(t, kv_heads, head_dim)
-        if hooks is not None:
-            hooks.before_attention(layer)
-        o = paged_attention(q, k, v, kv_cache, meta, scale)
-        if hooks is not None:
-            hooks.after_attention(layer)
-        x = x + _project(o_p, o.view(t, heads * head_dim))
-        h = rms_norm(x, post_w, post_eps)
-        return x + _project(down_p, F.silu(_project(gate_p, h)) * _project(up_p, h))
+        norm_w, norm_eps, attn, post_w, post_eps, mlp = self._refs()
+        x = x + attend(attn, rms_norm(x, norm_w, norm_eps), rope, meta, kv_cache, hooks)
+        return x + swiglu(mlp, rms_norm(x, post_w, post_eps))

@@ -8,7 +8,7 @@ import attrs
 from pipeline.artifacts import SchedulerOutput
 from pipeline.logs import get_logger
 from pipeline.request import RequestStatus
-from stages.schedule.state import SchedulerState, make_output
+from stages.schedule.state import SchedulerState
 
 __all__ = ["with_connector_metadata"]
 
@@ -39,10 +39,7 @@ def _drop_step(state: SchedulerState, output: SchedulerOutput, exc: Exception) -
     error = f"connector build_connector_meta failed: {exc!r}"
     for req_id in ids:
         state.kv.uncache_step_blocks(req_id)
-        request = state.requests.get(req_id)
-        if request is not None:
-            state.finish(request, RequestStatus.FINISHED_ERROR, error)
-            state.pending_outputs.append(make_output(request, ()))
+    state.pending_outputs.extend(state.finish_all(ids, RequestStatus.FINISHED_ERROR, error))
     return attrs.evolve(
         output, requests=(), finished_req_ids=output.finished_req_ids | frozenset(ids)
     )

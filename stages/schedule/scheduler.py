@@ -31,7 +31,7 @@ from stages.schedule.lookahead import resolve_ahead
 from stages.schedule.metadata import with_connector_metadata
 from stages.schedule.policy import SchedulingLimits, ahead_done, plan_step
 from stages.schedule.spec import SchedulerSpec
-from stages.schedule.state import SchedulerState, make_output
+from stages.schedule.state import SchedulerState
 from stages.schedule.update import UpdatePolicy, apply_output
 
 log = get_logger()
@@ -166,7 +166,7 @@ class Scheduler:
         Returns:
             One final output per request actually aborted.
         """
-        return self._finish_all(req_ids, RequestStatus.FINISHED_ABORTED, None)
+        return self._state.finish_all(req_ids, RequestStatus.FINISHED_ABORTED, None)
 
     def stop_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
         """Finish the given requests with ``"stop"`` (a stop string matched their text)
@@ -177,7 +177,7 @@ class Scheduler:
         Returns:
             One final output per request actually stopped.
         """
-        return self._finish_all(req_ids, RequestStatus.FINISHED_STOPPED, None)
+        return self._state.finish_all(req_ids, RequestStatus.FINISHED_STOPPED, None)
 
     def fail_requests(self, req_ids: Iterable[str], error: str) -> list[RequestOutput]:
         """Finish the given requests with ``"error"`` (a failed step fails its requests
@@ -194,7 +194,7 @@ class Scheduler:
         ids = list(req_ids)
         for req_id in ids:
             self._state.kv.uncache_step_blocks(req_id)
-        return self._take_pending(self._finish_all(ids, RequestStatus.FINISHED_ERROR, error))
+        return self._take_pending(self._state.finish_all(ids, RequestStatus.FINISHED_ERROR, error))
 
     @property
     def next_step_id(self) -> int:
@@ -282,15 +282,3 @@ class Scheduler:
         ``pending_transfers``: all zero once nothing is left in flight (cached free
         blocks are not counted; see :attr:`num_cached_blocks`)."""
         return self._state.leak_report()
-
-    def _finish_all(
-        self, req_ids: Iterable[str], status: RequestStatus, error: str | None
-    ) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        for req_id in req_ids:
-            request = self._state.requests.get(req_id)
-            if request is None:
-                continue
-            self._state.finish(request, status, error)
-            outputs.append(make_output(request, ()))
-        return outputs

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -114,6 +115,20 @@ class SchedulerState:
     pending_outputs: list[RequestOutput] = attrs.field(factory=list)
     num_expired_sending: int = 0
     num_expired_recving: int = 0
+
+    def finish_all(
+        self, req_ids: Iterable[str], status: RequestStatus, error: str | None
+    ) -> list[RequestOutput]:
+        """:meth:`finish` each request of ``req_ids`` still known (others are ignored);
+        one final output per request finished."""
+        outputs: list[RequestOutput] = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            self.finish(request, status, error)
+            outputs.append(make_output(request, ()))
+        return outputs
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Move ``request`` to the terminal ``status`` and release what it holds.
