@@ -80,6 +80,21 @@ def _inline_forward(inst: EngineConfig, attribute: attrs.Attribute[Any], value: 
         )
 
 
+def _cuda_graphs(inst: EngineConfig, attribute: attrs.Attribute[Any], value: bool) -> None:
+    _bool(inst, attribute, value)
+    refused = (
+        (inst.device == "cpu", "needs a CUDA device, not device='cpu'"),
+        (inst.world_size != 1, f"only with world_size=1, not {inst.world_size}"),
+        (
+            inst.connector is not None,
+            f"not with a connector ({inst.connector!r} runs per-layer hooks a graph cannot)",
+        ),
+    )
+    for bad, why in refused:
+        if value and bad:
+            raise InvalidConfigError(attribute.name, value, why)
+
+
 def _choice(choices: tuple[str, ...]) -> Any:
     def check(inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
         if not isinstance(value, str) or value not in choices:
@@ -200,6 +215,12 @@ class EngineConfig:
             while a step computes (offline ``LLM`` use, a benchmark). A connector's layer
             hooks then run on the loop's thread too (the built-in connectors do their I/O
             on their own threads). Only with ``executor="inprocess"``.
+        cuda_graphs: Replay decode-only steps from CUDA graphs, captured the first time
+            each padded batch size and block-table width is needed: one launch for the
+            whole decoder instead of a dozen per layer, what a small batch's decode step
+            on a GPU is bound by. Only on CUDA, with ``world_size=1`` and no connector;
+            steps with a prefill chunk, and steps larger than ``max_num_seqs``'s largest
+            padded size, run eagerly.
         kv_events: Publish the KV cache events of the block pool and of the connector
             tiers that report them (vLLM's schema, on ZeroMQ): a ``KVEventsConfig``, a
             PUB endpoint such as ``tcp://*:5557``, or a dict (JSON object) of
@@ -236,6 +257,7 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = attrs.field(default=None, converter=kv_events_config)
     async_scheduling: bool = attrs.field(default=False, validator=_bool)
     inline_forward: bool = attrs.field(default=False, validator=_inline_forward)
+    cuda_graphs: bool = attrs.field(default=False, validator=_cuda_graphs)
 
 
 def config_values(config: EngineConfig, spec: type[Any], **renamed: str) -> dict[str, Any]:

@@ -9,11 +9,26 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 TINY_ARGS = {
     "step_overhead.py": ["--steps", "50", "--decode-tokens", "20", "--decode-rounds", "1"],
     "crash_consistency.py": ["--trials", "3"],
+    # without CUDA it measures nothing and says so (its CHECKS entry holds it to that)
+    "cuda_graphs.py": [
+        "--batches",
+        "1",
+        "2",
+        "--tokens",
+        "4",
+        "--rounds",
+        "1",
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+    ],
     "detokenize.py": ["--lengths", "50", "--repeats", "1"],
     # part 3 (four server processes) is left out: it alone takes ~25 s on an idle box
     "disagg.py": [
@@ -137,7 +152,23 @@ def _check_routing(result: dict) -> None:
     assert row["route_decisions"] >= 4
 
 
-CHECKS = {"serve.py": _check_serve, "routing.py": _check_routing}
+def _check_cuda_graphs(result: dict) -> None:
+    """Without CUDA, nothing is measured and the JSON says why; with it, both engines
+    ran every batch size."""
+    if not torch.cuda.is_available():
+        assert result["skipped"].startswith("needs a CUDA device")
+        assert "results" not in result
+        return
+    assert [r["batch"] for r in result["results"]] == [1, 2]
+    for r in result["results"]:
+        assert r["eager_ms_per_step"] > 0 and r["graphs_ms_per_step"] > 0
+
+
+CHECKS = {
+    "serve.py": _check_serve,
+    "routing.py": _check_routing,
+    "cuda_graphs.py": _check_cuda_graphs,
+}
 
 # throughput.py's serving mode: both scenarios, four requests, two per batch.
 SERVING_ARGS = [

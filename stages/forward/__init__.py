@@ -22,6 +22,7 @@ from stages.forward.config import (
     RopeConfig,
     load_model_config,
 )
+from stages.forward.cuda_graphs import DecodeGraphs, EagerReplay
 from stages.forward.kv_cache import (
     allocate_kv_caches,
     default_num_blocks,
@@ -49,8 +50,10 @@ __all__ = [
     "CausalLM",
     "CpuDeviceSync",
     "CudaDeviceSync",
+    "DecodeGraphs",
     "DeviceEvent",
     "DeviceSync",
+    "EagerReplay",
     "LayerHooks",
     "LoadedModel",
     "ModelConfig",

@@ -9,7 +9,7 @@ tables as they were.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -146,6 +146,20 @@ class RequestStates:
             )
         return table
 
+    @property
+    def tables(self) -> Mapping[str, Sequence[int]]:
+        """Every known request's block table (read it, never change it)."""
+        return self._tables
+
+    @staticmethod
+    def decode_only(scheduler_output: SchedulerOutput) -> bool:
+        """Whether every request of a non-empty step has one new token, sampled, and
+        asks for no prompt logprobs (the steady state of decoding)."""
+        requests = scheduler_output.requests
+        return scheduler_output.total_num_scheduled_tokens == len(requests) and all(
+            r.sample and not r.prompt_logprob_targets for r in requests
+        )
+
     def prepare(self, scheduler_output: SchedulerOutput, device: torch.device) -> BatchInputs:
         """The inputs of a non-empty step whose requests :meth:`update` accepted.
 
@@ -153,9 +167,7 @@ class RequestStates:
         logprobs) is written into buffers kept per batch shape (:class:`DecodeInputs`).
         """
         requests = scheduler_output.requests
-        if scheduler_output.total_num_scheduled_tokens == len(requests) and all(
-            r.sample and not r.prompt_logprob_targets for r in requests
-        ):
+        if self.decode_only(scheduler_output):
             if self._decode is None or self._decode.device != device:
                 self._decode = DecodeInputs(self.block_size, device)
             input_ids, decode_meta, decode_rows = self._decode.build(requests, self._tables)

@@ -83,6 +83,12 @@ def _count_assignment(module: nn.Module, name: str, param: nn.Parameter | None) 
 register_module_parameter_registration_hook(_count_assignment)
 
 
+def assignments() -> int:
+    """Parameters assigned in this process so far: what cached parameter references
+    (a layer's, a captured graph's) compare to know they are still current."""
+    return _ASSIGNMENTS[0]
+
+
 Projection = tuple[torch.Tensor, torch.Tensor | None] | nn.Module
 """A plain ``nn.Linear``'s ``(weight, bias)``, or a linear module that must be called
 (a row-parallel one all-reduces its output)."""

@@ -21,10 +21,9 @@ from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.errors import StageError
 from stages.forward.compute_thread import Compute, make_compute
 from stages.forward.config import ModelConfig
-from stages.forward.histories import TokenHistories
+from stages.forward.cuda_graphs import DecodeGraphs
 from stages.forward.inputs import RequestStates
 from stages.forward.kv_cache import allocate_kv_caches, local_kv_heads
-from stages.forward.logprobs import add_logprobs
 from stages.forward.model import CausalLM
 from stages.forward.parallel import TensorParallel
 from stages.forward.runner_load import (
@@ -34,8 +33,8 @@ from stages.forward.runner_load import (
     resolve_device,
     resolve_dtype,
 )
-from stages.forward.sampling import Sampler
 from stages.forward.spec import RunnerSpec
+from stages.forward.step_sampler import StepSampler
 
 __all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
 
@@ -104,10 +103,20 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             vocab_size=loaded.config.vocab_size,
         )
-        self._sampler = Sampler(
+        self._sampling = StepSampler(
             seed=spec.seed, device=self.device, eos_token_id=loaded.config.eos_token_id
         )
-        self._histories = TokenHistories()  # of the requests whose sampling reads them
+        self._graphs = (
+            DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                block_size=self.block_size,
+                max_batch=spec.max_num_seqs,
+                max_blocks=-(-self.max_model_len // self.block_size),
+            )
+            if spec.cuda_graphs
+            else None
+        )
         self._closed = False
 
     @classmethod
@@ -202,12 +211,16 @@ class ModelRunner:
         if self._closed:
             raise StageError("forward", scheduler_output.step_id, "the model runner is closed")
         self._states.drop(scheduler_output.finished_req_ids)
-        self._histories.drop(scheduler_output.finished_req_ids)
+        self._sampling.drop(scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
             empty = torch.empty(0, self.model_config.vocab_size, device=self.device)
             return ModelOutput(req_ids=(), logits=empty, num_tokens=0)
         self._states.update(scheduler_output)
-        self._histories.track(scheduler_output)
+        self._sampling.track(scheduler_output)
+        if self._graphs is not None and connector is None:
+            output = self._replay(scheduler_output)
+            if output is not None:
+                return output
         batch = self._states.prepare(scheduler_output, self.device)
         hooks = None
         if connector is not None:
@@ -230,6 +243,20 @@ class ModelRunner:
             prompt_logits=None if batch.prompt_rows is None else logits[n:],
         )
 
+    def _replay(self, scheduler_output: SchedulerOutput) -> ModelOutput | None:
+        """A decode-only step through a captured graph, or ``None`` (run it eagerly)."""
+        assert self._graphs is not None
+        requests = scheduler_output.requests
+        if not self._states.decode_only(scheduler_output):
+            return None
+        with torch.inference_mode(), self.device_sync.compute_stream():
+            hidden = self._graphs.hidden(requests, self._states.tables)
+            if hidden is None:
+                return None
+            logits = self.model.compute_logits(hidden)
+        req_ids = tuple(r.req_id for r in requests)
+        return ModelOutput(req_ids=req_ids, logits=logits, num_tokens=len(req_ids))
+
     def sample(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> SampledTokens:
         """Sample one token per row of ``model_output`` with each request's parameters.
 
@@ -240,35 +267,7 @@ class ModelRunner:
         logprobs fail fails alone too. Blocks the calling thread (it reads the tokens
         back from the device).
         """
-        sampled = self._sample_tokens(scheduler_output, model_output)
-        if model_output.prompt_logits is not None or any(
-            r.sampling.logprobs is not None for r in scheduler_output.requests
-        ):
-            return add_logprobs(sampled, scheduler_output, model_output)
-        return sampled
-
-    def _sample_tokens(
-        self, scheduler_output: SchedulerOutput, model_output: ModelOutput
-    ) -> SampledTokens:
-        if not model_output.req_ids:
-            return SampledTokens(token_ids={})
-        by_id = {r.req_id: r for r in scheduler_output.requests}
-        scheduled = [by_id[req_id] for req_id in model_output.req_ids]
-        histories = self._histories.rows(scheduled)
-        with torch.inference_mode():
-            tokens, errors = self._sampler.sample_rows(
-                model_output.logits,
-                [r.sampling for r in scheduled],
-                [r.num_output_tokens for r in scheduled],
-                histories,
-            )
-        req_ids = model_output.req_ids
-        return SampledTokens(
-            token_ids={
-                req_id: tok for req_id, tok in zip(req_ids, tokens, strict=True) if tok is not None
-            },
-            errors={req_ids[row]: reason for row, reason in errors.items()},
-        )
+        return self._sampling.sample(scheduler_output, model_output)
 
     def drop_requests(self, req_ids: Iterable[str]) -> None:
         """Forget the state of ``req_ids`` (unknown ids are ignored), as a step does.
@@ -278,7 +277,7 @@ class ModelRunner:
         """
         req_ids = list(req_ids)
         self._states.drop(req_ids)
-        self._histories.drop(req_ids)
+        self._sampling.drop(req_ids)
 
     def block_table(self, req_id: str) -> tuple[int, ...]:
         """The block table this worker holds for ``req_id`` (KeyError when unknown)."""
@@ -298,6 +297,7 @@ class ModelRunner:
             return
         self._closed = True
         self._states.clear()
-        self._histories.clear()
+        self._sampling.clear()
+        self._graphs = None  # they hold the cache
         self.kv_caches = []
         self.compute.close()

@@ -40,6 +40,8 @@ class RunnerSpec:
         world_size: Number of ranks.
         inline_forward: Run the forward pass and sampling on the thread that awaits
             them (the event loop's) instead of the runner's compute thread.
+        cuda_graphs: Replay decode-only steps from CUDA graphs
+            (:class:`~stages.forward.cuda_graphs.DecodeGraphs`); CUDA only, one rank.
 
     Raises:
         InvalidConfigError: A size that is not a positive integer, naming the field.
@@ -58,13 +60,19 @@ class RunnerSpec:
     seed: int = 0
     world_size: int = 1
     inline_forward: bool = False
+    cuda_graphs: bool = False
 
     def __attrs_post_init__(self) -> None:
         for name in _POSITIVE:
             check_int(name, getattr(self, name), InvalidConfigError, lo=1)
         check_int("num_blocks", self.num_blocks, InvalidConfigError, lo=1, optional=True)
-        if not isinstance(self.inline_forward, bool):
-            raise InvalidConfigError("inline_forward", self.inline_forward, "must be a bool")
+        for name in ("inline_forward", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfigError(name, getattr(self, name), "must be a bool")
+        if self.cuda_graphs and self.world_size != 1:
+            raise InvalidConfigError(
+                "cuda_graphs", True, f"only with world_size=1, not {self.world_size}"
+            )
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, device: str | None = None) -> RunnerSpec:
