@@ -14,14 +14,15 @@ needs it. A step of more requests than the largest size runs eagerly.
 
 Inside the graph every input is a fixed tensor: the step's token ids, positions,
 context lengths, slots and block tables are written into one pinned host buffer and
-copied to the graph's device buffer in one transfer. Decode attention takes the padded,
-masked path of :func:`~stages.forward.attention.paged_attention` (the keys of the
-padded width, masked by each request's context length, computed on the device inside
-the graph); the eager path instead slices the keys to the exact context when every
-request shares it, so the two agree to rounding, not bit for bit. Padding rows repeat
-row 0's inputs: they compute row 0's key and value again and write them to row 0's
-slot, the same values, so no other request's cache is touched and no slot needs
-reserving.
+copied to the graph's device buffer in one transfer
+(:class:`~stages.forward.decode_inputs.DecodeBuffers`, as the eager decode steps do).
+Decode attention takes the padded, masked path of
+:func:`~stages.forward.attention.paged_attention` (the keys of the padded width,
+masked by each request's context length, computed on the device inside the graph); the
+eager path instead slices the keys to the exact context when every request shares it,
+so the two agree to rounding, not bit for bit. Padding rows repeat row 0's inputs: they
+compute row 0's key and value again and write them to row 0's slot, the same values, so
+no other request's cache is touched and no slot needs reserving.
 
 The graphs bake in the model's parameter tensors: assigning a parameter anywhere in the
 process (which :mod:`stages.forward.layers` counts) drops them, and the next steps
@@ -40,7 +41,7 @@ import torch
 
 from pipeline.artifacts import ScheduledRequest
 from pipeline.errors import InvalidConfigError
-from stages.forward.attention import AttentionMetadata, DecodeBatch
+from stages.forward.decode_inputs import DecodeBuffers, decode_metadata, decode_offsets
 from stages.forward.layers import assignments
 from stages.forward.model import CausalLM
 
@@ -53,6 +54,9 @@ __all__ = [
     "graph_capture",
     "padded_width",
 ]
+
+
+_Replay = Callable[[], torch.Tensor]
 
 
 def capture_sizes(max_batch: int) -> tuple[int, ...]:
@@ -126,51 +130,6 @@ def graph_capture(device: torch.device) -> GraphCapture:
     return CudaGraphCapture(device)
 
 
-class _Shape:
-    """The fixed buffers of one captured shape and its replay."""
-
-    __slots__ = ("batch", "event", "host", "inputs", "replay", "values", "width")
-
-    def __init__(self, batch: int, width: int, device: torch.device) -> None:
-        self.batch, self.width = batch, width
-        size = batch * (4 + width)  # ids, positions, context + 1, slots; the block table
-        on_cuda = device.type == "cuda"
-        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
-        self.values = self.host.numpy()
-        self.inputs = self.host.to(device) if on_cuda else self.host
-        self.event: torch.cuda.Event | None = None  # the last copy out of ``host``
-        self.replay: Callable[[], torch.Tensor] | None = None
-
-    def fill(
-        self, requests: Sequence[ScheduledRequest], tables: Mapping[str, Sequence[int]], bs: int
-    ) -> None:
-        """Write the step's inputs (padding rows repeat row 0) and copy them over."""
-        if self.event is not None:
-            self.event.synchronize()  # the previous step's copy has read the host buffer
-        n, batch, width = len(requests), self.batch, self.width
-        pad = batch - n
-        ctx = [r.num_computed_tokens for r in requests]
-        ctx += ctx[:1] * pad
-        req_tables = [tables[r.req_id] for r in requests]
-        req_tables += req_tables[:1] * pad
-        v = self.values
-        v[:batch] = [r.token_ids[0] for r in requests] + [requests[0].token_ids[0]] * pad
-        v[batch : 2 * batch] = ctx
-        v[2 * batch : 3 * batch] = [c + 1 for c in ctx]
-        v[3 * batch : 4 * batch] = [
-            t[c // bs] * bs + c % bs for t, c in zip(req_tables, ctx, strict=True)
-        ]
-        table = v[4 * batch :].reshape(batch, width)
-        table[:] = 0
-        for i, (t, c) in enumerate(zip(req_tables, ctx, strict=True)):
-            blocks = c // bs + 1
-            table[i, :blocks] = t[:blocks]
-        if self.inputs is not self.host:
-            self.inputs.copy_(self.host, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-
 class DecodeGraphs:
     """Runs decode-only steps of one runner's model through captured graphs.
 
@@ -203,7 +162,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.sizes = capture_sizes(max_batch)
         self.max_blocks = max_blocks
-        self._shapes: dict[tuple[int, int], _Shape] = {}
+        self._shapes: dict[tuple[int, int], tuple[DecodeBuffers, _Replay]] = {}
         self._assignments = assignments()
         self.captures = 0  # graphs captured (a shape dropped and captured again: twice)
 
@@ -220,7 +179,8 @@ class DecodeGraphs:
         Every request must have one new token and a block table that covers it (as
         :meth:`~stages.forward.inputs.RequestStates.update` checked). ``None`` when the
         step has more requests than the largest captured size (run it eagerly). Writes
-        the new keys and values into the cache, as the eager forward pass does.
+        the new keys and values into the cache, as the eager forward pass does. The
+        tensor is the graph's output: valid until the next step of its shape.
         """
         n = len(requests)
         batch = next((s for s in self.sizes if s >= n), None)
@@ -233,38 +193,16 @@ class DecodeGraphs:
         key = (batch, padded_width(blocks, self.max_blocks))
         shape = self._shapes.get(key)
         if shape is None:
-            shape = _Shape(*key, self.device)
-            shape.fill(requests, tables, self.block_size)
-            shape.replay = self._capture.capture(lambda: self._forward(shape))
-            self._shapes[key] = shape
+            buf = DecodeBuffers(*key, self.block_size, self.device)
+            buf.fill(requests, tables)
+            rows, starts = decode_offsets(batch, self.device)
+
+            def forward() -> torch.Tensor:  # tensor ops on fixed tensors only
+                meta = decode_metadata(buf, self.block_size, rows, starts, seq_len=None)
+                return self.model(buf.ids, buf.pos, meta, self.kv_caches, None)
+
+            shape = self._shapes[key] = (buf, self._capture.capture(forward))
             self.captures += 1
         else:
-            shape.fill(requests, tables, self.block_size)
-        assert shape.replay is not None
-        return shape.replay()[:n]
-
-    def _forward(self, shape: _Shape) -> torch.Tensor:
-        """The decoder over ``shape``'s buffers: only tensor ops on fixed tensors."""
-        batch, width, bs = shape.batch, shape.width, self.block_size
-        inputs = shape.inputs
-        ids, pos = inputs[:batch], inputs[batch : 2 * batch]
-        seq, slots = inputs[2 * batch : 3 * batch], inputs[3 * batch : 4 * batch]
-        table = inputs[4 * batch :].view(batch, width)
-        span = torch.arange(width * bs, device=self.device)
-        mask = (span[None, :] < seq[:, None])[:, None, None, :]
-        rows = torch.arange(batch, device=self.device)
-        decode = DecodeBatch(
-            token_rows=rows, first_row=0, block_table=table, seq_len=None, mask=mask
-        )
-        meta = AttentionMetadata(
-            num_tokens=batch,
-            block_size=bs,
-            query_start_loc=torch.arange(batch + 1, device=self.device),
-            seq_lens=seq,
-            positions=pos,
-            slot_mapping=slots,
-            block_tables=table,
-            decode=decode,
-            prefills=(),
-        )
-        return self.model(ids, pos, meta, self.kv_caches, None)
+            shape[0].fill(requests, tables)
+        return shape[1]()[:n]

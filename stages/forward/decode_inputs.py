@@ -2,12 +2,14 @@
 
 A step in which every request has exactly one new token (the steady state of decoding)
 needs no general metadata: rows, positions and sequence lengths are per-request numbers,
-and the decode batch is the whole batch. :class:`DecodeInputs` fills one preallocated set
-of arrays per batch shape (requests, blocks per request; the :data:`MAX_SHAPES` most
-recently used) in place and hands out tensors
-that view them (on CPU; a device copy elsewhere), instead of building ~25 temporary
-arrays and tensors per step as :func:`~stages.forward.attention.build_attention_metadata`
-does for a mixed batch. The metadata is the same, field for field.
+and the decode batch is the whole batch. :class:`DecodeInputs` keeps one
+:class:`DecodeBuffers` per batch shape (requests, blocks per request; the
+:data:`MAX_SHAPES` most recently used), fills it in place and hands out tensors that view
+it, instead of building ~25 temporary arrays and tensors per step as
+:func:`~stages.forward.attention.build_attention_metadata` does for a mixed batch. The
+metadata is the same, field for field. On CUDA the inputs are written into a pinned
+host buffer and reach the device in one copy. The decode graphs
+(:mod:`stages.forward.cuda_graphs`) use the same buffers, padded to their sizes.
 
 The tensors of one step are valid until the next step of the same shape rewrites them:
 the runner runs one step at a time and nothing keeps a step's metadata past its
@@ -18,41 +20,90 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from pipeline.artifacts import ScheduledRequest
 from stages.forward.attention import AttentionMetadata, DecodeBatch
 
-__all__ = ["MAX_SHAPES", "DecodeInputs"]
+__all__ = ["MAX_SHAPES", "DecodeBuffers", "DecodeInputs", "decode_metadata", "decode_offsets"]
 
 MAX_SHAPES = 16
 """Buffer sets kept at most (the most recently used shapes): a server whose batch and
 context sizes keep changing must not keep one per shape it ever saw."""
 
 
-class _Buffers:
-    """The arrays of one batch shape and the tensors that view them."""
+class DecodeBuffers:
+    """The inputs of one batch shape in one int64 buffer.
 
-    __slots__ = ("ids", "pos", "seq", "slots", "table", "tensors")
+    Token ids, positions, context lengths + 1 and slots (``batch`` each), then the
+    block table (``batch x width``), written in place by :meth:`fill`. On CUDA they are
+    written into a pinned host buffer and reach the device in one copy; on CPU the
+    tensors view the buffer itself. The tensor attributes view the device's buffer;
+    ``span`` is ``[0, width * block_size)``, the key positions of a row.
 
-    def __init__(self, num_reqs: int, num_blocks: int, device: torch.device) -> None:
-        self.ids = np.zeros(num_reqs, dtype=np.int64)
-        self.pos = np.zeros(num_reqs, dtype=np.int64)
-        self.seq = np.zeros(num_reqs, dtype=np.int64)
-        self.slots = np.zeros(num_reqs, dtype=np.int64)
-        self.table = np.zeros((num_reqs, num_blocks), dtype=np.int64)
-        rows = np.arange(num_reqs, dtype=np.int64)
-        starts = np.arange(num_reqs + 1, dtype=np.int64)
-        self.tensors = {
-            name: torch.from_numpy(a)
-            for name, a in (("ids", self.ids), ("pos", self.pos), ("seq", self.seq),
-                            ("slots", self.slots), ("table", self.table), ("rows", rows),
-                            ("starts", starts))
-        }  # fmt: skip
-        if device.type != "cpu":  # constant ones are copied once
-            for name in ("rows", "starts"):
-                self.tensors[name] = self.tensors[name].to(device)
+    Args:
+        batch: Rows (requests; padding rows included).
+        width: Blocks per block-table row.
+        block_size: Tokens per KV block.
+        device: Where the model runs.
+    """
+
+    __slots__ = ("_copied", "_fields", "batch", "block_size", "host", "ids", "inputs", "pos",
+                 "seq", "slots", "span", "table", "width")  # fmt: skip
+
+    def __init__(self, batch: int, width: int, block_size: int, device: torch.device) -> None:
+        self.batch, self.width, self.block_size = batch, width, block_size
+        self.host = torch.zeros(
+            batch * (4 + width), dtype=torch.int64, pin_memory=device.type == "cuda"
+        )
+        values = self.host.numpy()
+        self._fields = (*values[: 4 * batch].reshape(4, batch), values[4 * batch :])
+        self.inputs = self.host.to(device) if device.type != "cpu" else self.host
+        self.ids, self.pos, self.seq, self.slots = self.inputs[: 4 * batch].view(4, batch)
+        self.table = self.inputs[4 * batch :].view(batch, width)
+        self.span = torch.arange(width * block_size, device=device)
+        self._copied: torch.cuda.Event | None = None  # the last copy out of ``host``
+
+    def fill(
+        self, requests: Sequence[ScheduledRequest], tables: Mapping[str, Sequence[int]]
+    ) -> list[int]:
+        """Write the inputs of ``requests`` (one new token each; at most ``batch``) and
+        send them to the device; returns their context lengths.
+
+        Rows past ``len(requests)`` repeat row 0 (padding whose key and value go to row
+        0's own slot). Each request's block table must cover its new token.
+        """
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy has read the host buffer
+        ids = [r.token_ids[0] for r in requests]
+        ctx = [r.num_computed_tokens for r in requests]
+        req_tables = [tables[r.req_id] for r in requests]
+        rows_ctx = ctx
+        pad = self.batch - len(requests)
+        if pad:
+            ids += ids[:1] * pad
+            rows_ctx = ctx + ctx[:1] * pad
+            req_tables += req_tables[:1] * pad
+        # Per-request numbers in Python, one slice assignment per field: a small batch's
+        # numpy calls (each several µs between two forward passes) cost more.
+        bs, width = self.block_size, self.width
+        v_ids, v_pos, v_seq, v_slots, v_table = self._fields
+        v_ids[:] = ids
+        v_pos[:] = rows_ctx
+        v_seq[:] = [c + 1 for c in rows_ctx]
+        v_slots[:] = [t[c // bs] * bs + c % bs for t, c in zip(req_tables, rows_ctx, strict=True)]
+        table = v_table.reshape(self.batch, width)
+        for i, (t, c) in enumerate(zip(req_tables, rows_ctx, strict=True)):
+            n = c // bs + 1  # blocks that hold context + the new token
+            table[i, :n] = t[:n]
+            if n < width:
+                table[i, n:] = 0
+        if self.inputs is not self.host:
+            self.inputs.copy_(self.host, non_blocking=True)
+            if self.host.is_pinned():
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+        return ctx
 
 
 class DecodeInputs:
@@ -67,7 +118,7 @@ class DecodeInputs:
         self.block_size = block_size
         self.device = device
         self._on_cpu = device.type == "cpu"
-        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._buffers: dict[tuple[int, int], tuple[DecodeBuffers, torch.Tensor, torch.Tensor]] = {}
 
     def build(
         self, requests: Sequence[ScheduledRequest], tables: Mapping[str, Sequence[int]]
@@ -79,53 +130,50 @@ class DecodeInputs:
         thread-safe (one step at a time, as the runner calls it).
         """
         bs = self.block_size
-        ctx = [r.num_computed_tokens for r in requests]
-        req_tables = [tables[r.req_id] for r in requests]
-        needed = [c // bs + 1 for c in ctx]  # blocks that hold context + the new token
-        key = (len(requests), max(needed))
-        buf = self._buffers.pop(key, None)
-        if buf is None:
+        width = max(r.num_computed_tokens for r in requests) // bs + 1
+        key = (len(requests), width)
+        entry = self._buffers.pop(key, None)
+        if entry is None:
             if len(self._buffers) >= MAX_SHAPES:
                 del self._buffers[next(iter(self._buffers))]  # the least recently used
-            buf = _Buffers(*key, self.device)
-        self._buffers[key] = buf  # most recently used last
-        # Per-request numbers in Python, one slice assignment per array: a small batch's
-        # numpy calls (each several µs between two forward passes) cost more.
-        buf.ids[:] = [r.token_ids[0] for r in requests]
-        buf.pos[:] = ctx
-        buf.seq[:] = [c + 1 for c in ctx]
-        buf.slots[:] = [t[c // bs] * bs + c % bs for t, c in zip(req_tables, ctx, strict=True)]
-        table = buf.table
-        width = key[1]
-        for i, n in enumerate(needed):
-            table[i, :n] = req_tables[i][:n]
-            if n < width:
-                table[i, n:] = 0
-        rows = buf.tensors["rows"]
-        t = buf.tensors
-        if not self._on_cpu:
-            t = {**t, **{k: t[k].to(self.device) for k in ("ids", "pos", "seq", "slots", "table")}}
+            entry = (DecodeBuffers(*key, bs, self.device), *decode_offsets(key[0], self.device))
+        self._buffers[key] = entry  # most recently used last
+        buf, rows, starts = entry
+        ctx = buf.fill(requests, tables)
         same = min(ctx) == max(ctx)
-        mask = None
-        if not same:
-            span = np.arange(width * bs)[None, :] < buf.seq[:, None]
-            mask = torch.from_numpy(span).to(self.device)[:, None, None, :]
-        decode = DecodeBatch(
-            token_rows=rows,
-            first_row=0,
-            block_table=t["table"],
-            seq_len=ctx[0] + 1 if same else None,
-            mask=mask,
-        )
-        meta = AttentionMetadata(
-            num_tokens=key[0],
-            block_size=bs,
-            query_start_loc=t["starts"],
-            seq_lens=t["seq"],
-            positions=t["pos"],
-            slot_mapping=t["slots"],
-            block_tables=t["table"],
-            decode=decode,
-            prefills=(),
-        )
-        return t["ids"], meta, rows
+        meta = decode_metadata(buf, bs, rows, starts, seq_len=ctx[0] + 1 if same else None)
+        return buf.ids, meta, rows
+
+
+def decode_offsets(batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``[0, batch)`` and the query offsets ``[0, batch]`` of a decode batch."""
+    return torch.arange(batch, device=device), torch.arange(batch + 1, device=device)
+
+
+def decode_metadata(
+    buf: DecodeBuffers, bs: int, rows: torch.Tensor, starts: torch.Tensor, seq_len: int | None
+) -> AttentionMetadata:
+    """The metadata of the decode batch in ``buf`` (tensor ops only, on its device).
+
+    Args:
+        rows: ``[0, batch)``; ``starts``: ``[0, batch]``.
+        seq_len: The context length + 1 every row shares (keys are then sliced to it),
+            or ``None``: keys are masked by each row's own, computed on the device.
+    """
+    mask = None
+    if seq_len is None:
+        mask = (buf.span[None, :] < buf.seq[:, None])[:, None, None, :]
+    decode = DecodeBatch(
+        token_rows=rows, first_row=0, block_table=buf.table, seq_len=seq_len, mask=mask
+    )
+    return AttentionMetadata(
+        num_tokens=buf.batch,
+        block_size=bs,
+        query_start_loc=starts,
+        seq_lens=buf.seq,
+        positions=buf.pos,
+        slot_mapping=buf.slots,
+        block_tables=buf.table,
+        decode=decode,
+        prefills=(),
+    )

@@ -10,7 +10,7 @@ import torch
 from pipeline.artifacts import ScheduledRequest
 from pipeline.config import SamplingParams
 from stages.forward.attention import build_attention_metadata
-from stages.forward.decode_inputs import MAX_SHAPES, DecodeInputs
+from stages.forward.decode_inputs import MAX_SHAPES, DecodeBuffers, DecodeInputs
 
 CPU = torch.device("cpu")
 BS = 4
@@ -92,3 +92,16 @@ class TestDecodeInputs:
         builder.build(*batch([3] * (MAX_SHAPES + 1)))  # evicts the oldest, [3] * 2
         assert len(builder._buffers) == MAX_SHAPES
         assert (2, 1) not in builder._buffers and (1, 1) in builder._buffers
+
+
+def test_padding_rows_repeat_row_0() -> None:
+    """Filled for 2 requests into 4 rows: rows 2 and 3 are row 0 in every field (its
+    token, position, length, slot and table), and the real rows are the requests'."""
+    reqs, tables = batch([5, 2])
+    buf = DecodeBuffers(4, 3, BS, CPU)
+    assert buf.fill(reqs, tables) == [5, 2]
+    for field in (buf.ids, buf.pos, buf.seq, buf.slots, buf.table):
+        assert same(field[2], field[0]) and same(field[3], field[0])
+    assert buf.pos.tolist() == [5, 2, 5, 5] and buf.seq.tolist() == [6, 3, 6, 6]
+    t0 = tables["r0"]
+    assert buf.slots[0].item() == t0[1] * BS + 1 and buf.table[0].tolist() == [*t0[:2], 0]
