@@ -48,14 +48,13 @@ class DecodeBuffers:
         device: Where the model runs.
     """
 
-    __slots__ = ("_copied", "_fields", "batch", "block_size", "host", "ids", "inputs", "pos",
-                 "seq", "slots", "span", "table", "width")  # fmt: skip
+    __slots__ = ("_copied", "_fields", "_pinned", "batch", "block_size", "host", "ids",
+                 "inputs", "pos", "seq", "slots", "span", "table", "width")  # fmt: skip
 
     def __init__(self, batch: int, width: int, block_size: int, device: torch.device) -> None:
         self.batch, self.width, self.block_size = batch, width, block_size
-        self.host = torch.zeros(
-            batch * (4 + width), dtype=torch.int64, pin_memory=device.type == "cuda"
-        )
+        self._pinned = device.type == "cuda"
+        self.host = torch.zeros(batch * (4 + width), dtype=torch.int64, pin_memory=self._pinned)
         values = self.host.numpy()
         self._fields = (*values[: 4 * batch].reshape(4, batch), values[4 * batch :])
         self.inputs = self.host.to(device) if device.type != "cpu" else self.host
@@ -100,7 +99,7 @@ class DecodeBuffers:
                 table[i, n:] = 0
         if self.inputs is not self.host:
             self.inputs.copy_(self.host, non_blocking=True)
-            if self.host.is_pinned():
+            if self._pinned:
                 self._copied = torch.cuda.Event()
                 self._copied.record()
         return ctx
