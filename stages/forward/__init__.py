@@ -22,7 +22,7 @@ from stages.forward.config import (
     RopeConfig,
     load_model_config,
 )
-from stages.forward.cuda_graphs import DecodeGraphs, EagerReplay
+from stages.forward.cuda_graphs import DecodeGraphs
 from stages.forward.kv_cache import (
     allocate_kv_caches,
     default_num_blocks,
@@ -53,7 +53,6 @@ __all__ = [
     "DecodeGraphs",
     "DeviceEvent",
     "DeviceSync",
-    "EagerReplay",
     "LayerHooks",
     "LoadedModel",
     "ModelConfig",

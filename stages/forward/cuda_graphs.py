@@ -28,8 +28,8 @@ The graphs bake in the model's parameter tensors: assigning a parameter anywhere
 process (which :mod:`stages.forward.layers` counts) drops them, and the next steps
 capture again. Filling a parameter in place needs nothing.
 
-:class:`EagerReplay` runs the same padded, fixed-buffer computation without capturing it
-(on CPU, where the tests check it against the eager path).
+On CPU the tests capture with a recorder of the function's tensor ops whose replay runs
+those ops again and no Python, as a graph's does, and check it against the eager path.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from stages.forward.model import CausalLM
 __all__ = [
     "CudaGraphCapture",
     "DecodeGraphs",
-    "EagerReplay",
     "GraphCapture",
     "capture_sizes",
     "graph_capture",
@@ -108,13 +107,6 @@ class CudaGraphCapture:
             return out
 
         return replay
-
-
-class EagerReplay:
-    """Runs the function on every replay (the fixed-buffer path without a graph)."""
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        return fn
 
 
 def graph_capture(device: torch.device) -> GraphCapture:

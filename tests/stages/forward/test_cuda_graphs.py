@@ -1,10 +1,11 @@
 """Decode steps through :class:`DecodeGraphs`: padded, fixed-buffer, then replayed.
 
-On CPU the graphs are replaced by :class:`EagerReplay`, which runs the same padded,
-fixed-buffer computation on every replay: what it computes is checked against the
-eager path (the tokens, the logits to rounding, the KV cache), padding rows are
-checked not to write outside their request's slots, and the runner and engine
-plumbing is checked end to end. With CUDA, the same checks run on real graphs.
+On CPU the graphs are captured by :class:`RecordedReplay`, whose replay runs the
+captured tensor ops again and none of the Python, as a CUDA graph's does: what it
+computes is checked against the eager path (the tokens, the logits to rounding, the KV
+cache), padding rows are checked not to write outside their request's slots, and the
+runner and engine plumbing is checked end to end. With CUDA, the same checks run on
+real graphs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from pipeline.config import EngineConfig, SamplingParams
 from pipeline.errors import InvalidConfigError
 from stages.forward import cuda_graphs
 from stages.forward.cuda_graphs import (
-    EagerReplay,
     capture_sizes,
     graph_capture,
     padded_width,
@@ -30,14 +30,28 @@ from stages.forward.cuda_graphs import (
 from stages.forward.runner import ModelRunner
 from stages.forward.spec import RunnerSpec
 from tests.pipeline.test_async_scheduling import CASES, _config, _run
+from tests.stages.forward.graph_replay import RecordedReplay
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture
-def eager_replay(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runners built from here on "capture" with :class:`EagerReplay` (no CUDA here)."""
-    monkeypatch.setattr(cuda_graphs, "graph_capture", lambda device: EagerReplay())
+def recorded_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runners built from here on capture with :class:`RecordedReplay` (a graph's
+    replay semantics on CPU: no Python runs on replay)."""
+    monkeypatch.setattr(cuda_graphs, "graph_capture", lambda device: RecordedReplay())
+
+
+def test_recorded_replay_is_a_graph_replay() -> None:
+    """The recorder's replay reads the inputs' current contents but keeps every Python
+    value of the capture, and a host sync cannot be captured."""
+    x, scale = torch.ones(3), [2.0]
+    replay = RecordedReplay().capture(lambda: x * scale[0] + x.sum())
+    x.fill_(5.0)
+    scale[0] = 10.0  # Python: not seen by the replay
+    assert replay().tolist() == [25.0] * 3
+    with pytest.raises(RuntimeError, match="syncs with the host"):
+        RecordedReplay().capture(lambda: x * x.sum().item())
 
 
 def test_capture_sizes() -> None:
@@ -101,7 +115,7 @@ def _check_equal(eager: Any, graphs: Any) -> None:
 
 
 def test_same_tokens_logits_and_cache_as_eager(
-    hf_checkpoint: Any, step_driver: type, eager_replay: None
+    hf_checkpoint: Any, step_driver: type, recorded_replay: None
 ) -> None:
     """Greedy tokens equal, logits and every cache slot equal to rounding, over
     batches of 1 to 6 requests (padded to 1, 2, 4, 8) and contexts of 5 to 13 blocks
@@ -113,7 +127,7 @@ def test_same_tokens_logits_and_cache_as_eager(
     assert {b for b, _ in shapes} == {1, 2, 4, 8} and {w for _, w in shapes} == {8, 16}
 
 
-def test_padding_writes_no_other_slot(hf_checkpoint: Any, eager_replay: None) -> None:
+def test_padding_writes_no_other_slot(hf_checkpoint: Any, recorded_replay: None) -> None:
     """A step of 3 requests padded to 4: every slot but the 3 new tokens' keeps its bytes."""
     _, path = hf_checkpoint("llama_gqa")
     _, runner = _runners(path, "cpu")
@@ -141,7 +155,7 @@ def test_padding_writes_no_other_slot(hf_checkpoint: Any, eager_replay: None) ->
 
 
 def test_parameter_assignment_recaptures(
-    hf_checkpoint: Any, step_driver: type, eager_replay: None
+    hf_checkpoint: Any, step_driver: type, recorded_replay: None
 ) -> None:
     """Assigning a parameter drops the captured shapes (they hold the old tensors): the
     next decode step captures again."""
@@ -161,7 +175,7 @@ def test_parameter_assignment_recaptures(
 
 
 def test_steps_past_the_largest_size_run_eagerly(
-    hf_checkpoint: Any, step_driver: type, eager_replay: None
+    hf_checkpoint: Any, step_driver: type, recorded_replay: None
 ) -> None:
     """With max_num_seqs 2 (sizes 1, 2), a decode step of 3 requests runs eagerly."""
     _, path = hf_checkpoint("llama_gqa")
@@ -179,7 +193,7 @@ def test_steps_past_the_largest_size_run_eagerly(
 
 
 @pytest.mark.parametrize("case", ["plain", "no_prefix_caching"])
-def test_engine_outputs_equal(llama_path: Path, eager_replay: None, case: str) -> None:
+def test_engine_outputs_equal(llama_path: Path, recorded_replay: None, case: str) -> None:
     """Through the engine (config -> spec -> runner): the same outputs as without."""
     config = _config(llama_path, **CASES[case])
     assert _run(attrs.evolve(config, cuda_graphs=True)) == _run(config)
