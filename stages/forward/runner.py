@@ -113,8 +113,9 @@ class ModelRunner:
                 block_size=self.block_size,
                 max_batch=spec.max_num_seqs,
                 max_blocks=-(-self.max_model_len // self.block_size),
+                capture=parts.graph_capture,
             )
-            if spec.cuda_graphs
+            if parts.graph_capture is not None
             else None
         )
         self._closed = False

@@ -18,8 +18,10 @@ import torch
 
 from pipeline.errors import InvalidConfigError
 from pipeline.logs import get_logger
+from stages.forward import cuda_graphs
 from stages.forward.builtin import resolve_model_path
 from stages.forward.config import load_model_config
+from stages.forward.cuda_graphs import GraphCapture
 from stages.forward.kv_cache import default_num_blocks, kv_cache_block_bytes
 from stages.forward.loader import LoadedModel, load_model
 from stages.forward.parallel import UNSHARDED, TensorParallel, check_tp_divisible
@@ -95,6 +97,7 @@ class RunnerParts:
         num_blocks: KV blocks to allocate (``spec.num_blocks`` or the default size).
         rank: This worker's rank.
         tp: How the model is sharded (``UNSHARDED`` for a whole model).
+        graph_capture: How decode graphs are captured (``spec.cuda_graphs``), or ``None``.
     """
 
     spec: RunnerSpec
@@ -104,6 +107,7 @@ class RunnerParts:
     num_blocks: int
     rank: int
     tp: TensorParallel
+    graph_capture: GraphCapture | None = None
 
 
 def _check_tp(
@@ -171,8 +175,8 @@ def load_parts(
             loads the whole model (in-process ranks each hold every head).
 
     Raises:
-        InvalidConfigError: A bad dtype, device or rank, an incompatible
-            ``shared_model``, a ``tp`` that disagrees with ``rank``/``world_size``
+        InvalidConfigError: A bad dtype, device or rank, ``cuda_graphs`` off CUDA, an
+            incompatible ``shared_model``, a ``tp`` that disagrees with ``rank``/``world_size``
             or is combined with ``shared_model``, or a ``world_size`` that does not
             divide the model's heads or MLP width.
         ModelLoadError: The checkpoint cannot be loaded.
@@ -180,6 +184,7 @@ def load_parts(
     Blocks on disk I/O and weight conversion; call it off the event loop.
     """
     dev = resolve_device(spec.device)
+    capture = cuda_graphs.graph_capture(dev) if spec.cuda_graphs else None  # before loading
     torch_dtype = resolve_dtype(spec.dtype, dev)
     world_size, max_model_len = spec.world_size, spec.max_model_len
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -232,4 +237,5 @@ def load_parts(
         num_blocks=num_blocks,
         rank=rank,
         tp=tp,
+        graph_capture=capture,
     )
