@@ -105,3 +105,30 @@ def test_padding_rows_repeat_row_0() -> None:
     assert buf.pos.tolist() == [5, 2, 5, 5] and buf.seq.tolist() == [6, 3, 6, 6]
     t0 = tables["r0"]
     assert buf.slots[0].item() == t0[1] * BS + 1 and buf.table[0].tolist() == [*t0[:2], 0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_buffers_match_the_builder_step_after_step() -> None:
+    """On CUDA (a pinned host buffer, one copy a step): every step's device tensors equal
+    the general builder's, also when the same buffers are refilled at once for the next
+    step (the refill waits until the copy has read the host buffer)."""
+    cuda = torch.device("cuda")
+    builder = DecodeInputs(BS, cuda)
+    seen = []
+    for step in range(50):
+        ctx_lens = [4 + step % 3, 9]  # the same shape every step: the buffers are reused
+        reqs, tables = batch(ctx_lens)
+        ids, meta, _ = builder.build(reqs, tables)
+        seen.append((ids.clone(), meta.slot_mapping.clone(), meta.block_tables.clone(), reqs,
+                     tables, ctx_lens))  # fmt: skip
+    for ids, slots, table, reqs, tables, ctx_lens in seen:
+        ref = build_attention_metadata(
+            query_lens=[1] * len(reqs),
+            context_lens=ctx_lens,
+            block_tables=[tables[r.req_id] for r in reqs],
+            block_size=BS,
+            device=cuda,
+        )
+        assert ids.tolist() == [r.token_ids[0] for r in reqs]
+        assert same(slots, ref.slot_mapping) and same(table, ref.block_tables)
