@@ -9,10 +9,9 @@ so the event loop stays responsive. One call at a time (not thread-safe).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
-import attrs
 import torch
 
 from connectors.base import ForwardContext, KVConnectorWorker, ModelFingerprint
@@ -21,6 +20,7 @@ from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.errors import StageError
 from stages.forward.compute_thread import Compute, make_compute
 from stages.forward.config import ModelConfig
+from stages.forward.connector_hooks import ConnectorHooks
 from stages.forward.cuda_graphs import DecodeGraphs
 from stages.forward.inputs import RequestStates
 from stages.forward.kv_cache import allocate_kv_caches, local_kv_heads
@@ -37,21 +37,6 @@ from stages.forward.spec import RunnerSpec
 from stages.forward.step_sampler import StepSampler
 
 __all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
-
-
-@attrs.frozen
-class _ConnectorHooks:
-    """Layer hooks that drive a connector's per-layer calls during one forward."""
-
-    connector: KVConnectorWorker
-    kv_caches: Sequence[torch.Tensor]
-    ctx: ForwardContext
-
-    def before_attention(self, layer: int) -> None:
-        self.connector.wait_for_layer_load(layer)
-
-    def after_attention(self, layer: int) -> None:
-        self.connector.save_kv_layer(layer, self.kv_caches[layer], self.ctx)
 
 
 class ModelRunner:
@@ -193,7 +178,9 @@ class ModelRunner:
 
         Drops ``finished_req_ids``, applies the scheduled block ids, then runs the model;
         with a ``connector``, calls ``wait_for_layer_load(i)`` before layer ``i``'s
-        attention and ``save_kv_layer(i, kv_caches[i], ctx)`` after it.
+        attention and ``save_kv_layer(i, kv_caches[i], ctx)`` after it. Without one, and
+        with ``spec.cuda_graphs``, a decode-only step replays a captured graph
+        (:attr:`decode_graphs`).
 
         Returns:
             Float32 logits of the requests whose ``sample`` is set, in batch order,
@@ -225,7 +212,7 @@ class ModelRunner:
         batch = self._states.prepare(scheduler_output, self.device)
         hooks = None
         if connector is not None:
-            hooks = _ConnectorHooks(
+            hooks = ConnectorHooks(
                 connector, self.kv_caches, self.forward_context(scheduler_output)
             )
         with torch.inference_mode(), self.device_sync.compute_stream():
@@ -279,6 +266,11 @@ class ModelRunner:
         req_ids = list(req_ids)
         self._states.drop(req_ids)
         self._sampling.drop(req_ids)
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The captured decode graphs (``spec.cuda_graphs``), or ``None``."""
+        return self._graphs
 
     def block_table(self, req_id: str) -> tuple[int, ...]:
         """The block table this worker holds for ``req_id`` (KeyError when unknown)."""

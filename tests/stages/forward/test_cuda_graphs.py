@@ -105,7 +105,7 @@ def _drive_both(path: Path, device: str, step_driver: type) -> tuple[Any, Any]:
 
 
 def _check_equal(eager: Any, graphs: Any) -> None:
-    assert graphs.runner._graphs.captures > 0
+    assert graphs.runner.decode_graphs.captures > 0
     for req_id in eager.tokens:
         assert graphs.outputs(req_id) == eager.outputs(req_id), req_id
         for a, b in zip(eager.logits[req_id], graphs.logits[req_id], strict=True):
@@ -123,7 +123,7 @@ def test_same_tokens_logits_and_cache_as_eager(
     _, path = hf_checkpoint("llama_gqa")
     eager, graphs = _drive_both(path, "cpu", step_driver)
     _check_equal(eager, graphs)
-    shapes = graphs.runner._graphs.shapes
+    shapes = graphs.runner.decode_graphs.shapes
     assert {b for b, _ in shapes} == {1, 2, 4, 8} and {w for _, w in shapes} == {8, 16}
 
 
@@ -131,7 +131,7 @@ def test_padding_writes_no_other_slot(hf_checkpoint: Any, recorded_replay: None)
     """A step of 3 requests padded to 4: every slot but the 3 new tokens' keeps its bytes."""
     _, path = hf_checkpoint("llama_gqa")
     _, runner = _runners(path, "cpu")
-    graphs = runner._graphs
+    graphs = runner.decode_graphs
     assert graphs is not None
     for cache in runner.kv_caches:
         cache.normal_(generator=torch.Generator().manual_seed(0))
@@ -164,7 +164,7 @@ def test_parameter_assignment_recaptures(
     driver = step_driver(runner, chunk=8)
     driver.add("a", list(range(1, 10)))  # decode contexts 9 to 12: 3-4 blocks, width 4
     driver.run(3)
-    graphs = runner._graphs
+    graphs = runner.decode_graphs
     assert graphs is not None and graphs.captures == 1 and graphs.shapes == ((1, 4),)
     driver.run(4)
     assert graphs.captures == 1  # the same shape: replayed
@@ -187,7 +187,7 @@ def test_steps_past_the_largest_size_run_eagerly(
     for i in range(3):
         driver.add(f"r{i}", [i + 1, 2, 3])
     driver.run(3)
-    graphs = runner._graphs
+    graphs = runner.decode_graphs
     assert graphs is not None and graphs.captures == 0
     assert all(len(driver.outputs(r)) == 3 for r in driver.tokens)
 
@@ -230,7 +230,7 @@ def test_cuda_graphs_equal_eager(hf_checkpoint: Any, step_driver: type) -> None:
     """Real CUDA graphs: the same tokens, logits and cache as the eager path."""
     _, path = hf_checkpoint("llama_gqa")
     eager, graphs = _drive_both(path, "cuda", step_driver)
-    assert isinstance(graphs.runner._graphs._capture, cuda_graphs.CudaGraphCapture)
+    assert isinstance(graphs.runner.decode_graphs._capture, cuda_graphs.CudaGraphCapture)
     _check_equal(eager, graphs)
 
 
