@@ -9,7 +9,7 @@ import torch
 
 from pipeline.artifacts import ScheduledRequest
 from pipeline.config import SamplingParams
-from stages.forward.attention import build_attention_metadata
+from stages.forward.attention import AttentionMetadata, build_attention_metadata
 from stages.forward.decode_inputs import MAX_SHAPES, DecodeBuffers, DecodeInputs
 
 CPU = torch.device("cpu")
@@ -36,6 +36,19 @@ def batch(ctx_lens: list[int]) -> tuple[list[ScheduledRequest], dict[str, list[i
     return reqs, tables
 
 
+def reference(
+    reqs: list[ScheduledRequest], tables: dict[str, list[int]], device: torch.device
+) -> AttentionMetadata:
+    """The general builder's metadata of the same decode batch."""
+    return build_attention_metadata(
+        query_lens=[1] * len(reqs),
+        context_lens=[r.num_computed_tokens for r in reqs],
+        block_tables=[tables[r.req_id] for r in reqs],
+        block_size=BS,
+        device=device,
+    )
+
+
 def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
@@ -50,13 +63,7 @@ class TestDecodeInputs:
         builder = DecodeInputs(BS, CPU)
         for _ in range(2):  # the second build reuses the buffers
             ids, meta, rows = builder.build(reqs, tables)
-            ref = build_attention_metadata(
-                query_lens=[1] * len(reqs),
-                context_lens=ctx_lens,
-                block_tables=[tables[r.req_id] for r in reqs],
-                block_size=BS,
-                device=CPU,
-            )
+            ref = reference(reqs, tables, CPU)
             assert ids.tolist() == [r.token_ids[0] for r in reqs]
             assert rows.tolist() == list(range(len(reqs)))
             assert meta.num_tokens == ref.num_tokens and meta.prefills == ref.prefills == ()
@@ -121,14 +128,8 @@ def test_cuda_buffers_match_the_builder_step_after_step() -> None:
         reqs, tables = batch(ctx_lens)
         ids, meta, _ = builder.build(reqs, tables)
         seen.append((ids.clone(), meta.slot_mapping.clone(), meta.block_tables.clone(), reqs,
-                     tables, ctx_lens))  # fmt: skip
-    for ids, slots, table, reqs, tables, ctx_lens in seen:
-        ref = build_attention_metadata(
-            query_lens=[1] * len(reqs),
-            context_lens=ctx_lens,
-            block_tables=[tables[r.req_id] for r in reqs],
-            block_size=BS,
-            device=cuda,
-        )
+                     tables))  # fmt: skip
+    for ids, slots, table, reqs, tables in seen:
+        ref = reference(reqs, tables, cuda)
         assert ids.tolist() == [r.token_ids[0] for r in reqs]
         assert same(slots, ref.slot_mapping) and same(table, ref.block_tables)
