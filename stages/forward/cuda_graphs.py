@@ -41,7 +41,7 @@ import torch
 
 from pipeline.artifacts import ScheduledRequest
 from pipeline.errors import InvalidConfigError
-from stages.forward.decode_inputs import DecodeBuffers, decode_metadata, decode_offsets
+from stages.forward.decode_inputs import DecodeBuffers
 from stages.forward.layers import assignments
 from stages.forward.model import CausalLM
 
@@ -184,17 +184,13 @@ class DecodeGraphs:
         blocks = max(r.num_computed_tokens for r in requests) // self.block_size + 1
         key = (batch, padded_width(blocks, self.max_blocks))
         shape = self._shapes.get(key)
+        buf = DecodeBuffers(*key, self.block_size, self.device) if shape is None else shape[0]
+        buf.fill(requests, tables)  # before a capture too: its warm-up computes this step
         if shape is None:
-            buf = DecodeBuffers(*key, self.block_size, self.device)
-            buf.fill(requests, tables)
-            rows, starts = decode_offsets(batch, self.device)
 
             def forward() -> torch.Tensor:  # tensor ops on fixed tensors only
-                meta = decode_metadata(buf, self.block_size, rows, starts, seq_len=None)
-                return self.model(buf.ids, buf.pos, meta, self.kv_caches, None)
+                return self.model(buf.ids, buf.pos, buf.metadata(None), self.kv_caches, None)
 
             shape = self._shapes[key] = (buf, self._capture.capture(forward))
             self.captures += 1
-        else:
-            shape[0].fill(requests, tables)
         return shape[1]()[:n]

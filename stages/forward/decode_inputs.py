@@ -25,7 +25,7 @@ import torch
 from pipeline.artifacts import ScheduledRequest
 from stages.forward.attention import AttentionMetadata, DecodeBatch
 
-__all__ = ["MAX_SHAPES", "DecodeBuffers", "DecodeInputs", "decode_metadata", "decode_offsets"]
+__all__ = ["MAX_SHAPES", "DecodeBuffers", "DecodeInputs"]
 
 MAX_SHAPES = 16
 """Buffer sets kept at most (the most recently used shapes): a server whose batch and
@@ -39,7 +39,8 @@ class DecodeBuffers:
     block table (``batch x width``), written in place by :meth:`fill`. On CUDA they are
     written into a pinned host buffer and reach the device in one copy; on CPU the
     tensors view the buffer itself. The tensor attributes view the device's buffer;
-    ``span`` is ``[0, width * block_size)``, the key positions of a row.
+    ``span`` is ``[0, width * block_size)``, the key positions of a row; ``rows`` and
+    ``starts`` are ``[0, batch)`` and ``[0, batch]``.
 
     Args:
         batch: Rows (requests; padding rows included).
@@ -49,7 +50,8 @@ class DecodeBuffers:
     """
 
     __slots__ = ("_copied", "_fields", "_pinned", "batch", "block_size", "host", "ids",
-                 "inputs", "pos", "seq", "slots", "span", "table", "width")  # fmt: skip
+                 "inputs", "pos", "rows", "seq", "slots", "span", "starts", "table",
+                 "width")  # fmt: skip
 
     def __init__(self, batch: int, width: int, block_size: int, device: torch.device) -> None:
         self.batch, self.width, self.block_size = batch, width, block_size
@@ -61,6 +63,8 @@ class DecodeBuffers:
         self.ids, self.pos, self.seq, self.slots = self.inputs[: 4 * batch].view(4, batch)
         self.table = self.inputs[4 * batch :].view(batch, width)
         self.span = torch.arange(width * block_size, device=device)
+        self.rows = torch.arange(batch, device=device)  # every row is sampled
+        self.starts = torch.arange(batch + 1, device=device)  # one query token a row
         self._copied: torch.cuda.Event | None = None  # the last copy out of ``host``
 
     def fill(
@@ -104,6 +108,31 @@ class DecodeBuffers:
                 self._copied.record()
         return ctx
 
+    def metadata(self, seq_len: int | None) -> AttentionMetadata:
+        """The metadata of the decode batch in these buffers (tensor ops only).
+
+        Args:
+            seq_len: The context length + 1 every row shares (keys are then sliced to
+                it), or ``None``: keys are masked by each row's own, on the device.
+        """
+        mask = None
+        if seq_len is None:
+            mask = (self.span[None, :] < self.seq[:, None])[:, None, None, :]
+        decode = DecodeBatch(
+            token_rows=self.rows, first_row=0, block_table=self.table, seq_len=seq_len, mask=mask
+        )
+        return AttentionMetadata(
+            num_tokens=self.batch,
+            block_size=self.block_size,
+            query_start_loc=self.starts,
+            seq_lens=self.seq,
+            positions=self.pos,
+            slot_mapping=self.slots,
+            block_tables=self.table,
+            decode=decode,
+            prefills=(),
+        )
+
 
 class DecodeInputs:
     """Builds the attention metadata of decode-only steps (one new token per request).
@@ -116,8 +145,7 @@ class DecodeInputs:
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
-        self._on_cpu = device.type == "cpu"
-        self._buffers: dict[tuple[int, int], tuple[DecodeBuffers, torch.Tensor, torch.Tensor]] = {}
+        self._buffers: dict[tuple[int, int], DecodeBuffers] = {}
 
     def build(
         self, requests: Sequence[ScheduledRequest], tables: Mapping[str, Sequence[int]]
@@ -131,48 +159,12 @@ class DecodeInputs:
         bs = self.block_size
         width = max(r.num_computed_tokens for r in requests) // bs + 1
         key = (len(requests), width)
-        entry = self._buffers.pop(key, None)
-        if entry is None:
+        buf = self._buffers.pop(key, None)
+        if buf is None:
             if len(self._buffers) >= MAX_SHAPES:
                 del self._buffers[next(iter(self._buffers))]  # the least recently used
-            entry = (DecodeBuffers(*key, bs, self.device), *decode_offsets(key[0], self.device))
-        self._buffers[key] = entry  # most recently used last
-        buf, rows, starts = entry
+            buf = DecodeBuffers(*key, bs, self.device)
+        self._buffers[key] = buf  # most recently used last
         ctx = buf.fill(requests, tables)
         same = min(ctx) == max(ctx)
-        meta = decode_metadata(buf, bs, rows, starts, seq_len=ctx[0] + 1 if same else None)
-        return buf.ids, meta, rows
-
-
-def decode_offsets(batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows ``[0, batch)`` and the query offsets ``[0, batch]`` of a decode batch."""
-    return torch.arange(batch, device=device), torch.arange(batch + 1, device=device)
-
-
-def decode_metadata(
-    buf: DecodeBuffers, bs: int, rows: torch.Tensor, starts: torch.Tensor, seq_len: int | None
-) -> AttentionMetadata:
-    """The metadata of the decode batch in ``buf`` (tensor ops only, on its device).
-
-    Args:
-        rows: ``[0, batch)``; ``starts``: ``[0, batch]``.
-        seq_len: The context length + 1 every row shares (keys are then sliced to it),
-            or ``None``: keys are masked by each row's own, computed on the device.
-    """
-    mask = None
-    if seq_len is None:
-        mask = (buf.span[None, :] < buf.seq[:, None])[:, None, None, :]
-    decode = DecodeBatch(
-        token_rows=rows, first_row=0, block_table=buf.table, seq_len=seq_len, mask=mask
-    )
-    return AttentionMetadata(
-        num_tokens=buf.batch,
-        block_size=bs,
-        query_start_loc=starts,
-        seq_lens=buf.seq,
-        positions=buf.pos,
-        slot_mapping=buf.slots,
-        block_tables=buf.table,
-        decode=decode,
-        prefills=(),
-    )
+        return buf.ids, buf.metadata(ctx[0] + 1 if same else None), buf.rows
