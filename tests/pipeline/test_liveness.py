@@ -204,9 +204,10 @@ async def consume(engine: AsyncEngine, prompt: list[int], params: SamplingParams
 
 
 async def drained(engine: AsyncEngine) -> None:
-    """Wait (bounded) until the step loop has nothing left to do."""
+    """Wait (bounded) until the step loop is at rest: no step needed and none running
+    (with async scheduling the core may need nothing while its last step still runs)."""
     with anyio.fail_after(20):
-        while engine.core.has_work():
+        while not engine.is_idle:
             await anyio.sleep(0.01)
 
 
