@@ -13,10 +13,13 @@ size ``HIDDEN``) saved with ``save_pretrained``:
   next token by ``argmax`` of the logits (the least a decode step must do);
 * ``generate``: ``model.generate(max_new_tokens=tokens)`` per generated token;
 * ``kvstep`` in series: the same engine with ``async_scheduling=False`` (the default:
-  each step planned after the previous one is applied);
-* ``kvstep`` inline: in series with ``inline_forward=True``: the forward pass and the
-  sampling run on the event loop's thread (no hand-over to the compute thread and back,
-  i.e. two thread wake-ups a step fewer).
+  each step planned after the previous one is applied), and the default
+  ``inline_forward_below_s``: a pass whose shape's recent passes took under 2 ms runs on
+  the event loop's thread;
+* ``kvstep`` handed over: in series with ``inline_forward_below_s=0``: every forward
+  pass and its sampling handed to the compute thread and back (two thread wake-ups);
+* ``kvstep`` inline: in series with ``inline_forward=True``: every forward pass and its
+  sampling on the event loop's thread.
 
 Rounds alternate the contenders so that they share any drift of a shared machine. The
 per-stage medians of kvstep's engine and worker steps come from the step log's
@@ -113,26 +116,32 @@ async def _measure_async(path: Path, tokens: int, rounds: int) -> dict[str, Any]
     in_series = EngineConfig(model=str(path), dtype="float32", max_model_len=4096)
     config = attrs.evolve(in_series, async_scheduling=True)
     inline = attrs.evolve(in_series, inline_forward=True)
+    handed = attrs.evolve(in_series, inline_forward_below_s=0.0)
     stages: dict[str, list[float]] = defaultdict(list)
     series_stages: dict[str, list[float]] = defaultdict(list)
+    handed_stages: dict[str, list[float]] = defaultdict(list)
     inline_stages: dict[str, list[float]] = defaultdict(list)
     samples: dict[str, list[float]] = {
-        "kvstep": [], "kvstep_sync": [], "kvstep_inline": [], "bare": [], "generate": []
+        "kvstep": [], "kvstep_sync": [], "kvstep_handed": [], "kvstep_inline": [],
+        "bare": [], "generate": [],
     }  # fmt: skip
     async with (
         AsyncEngine(config) as engine,
         AsyncEngine(in_series) as sync_engine,
+        AsyncEngine(handed) as handed_engine,
         AsyncEngine(inline) as inline_engine,
     ):
-        for warm in (engine, sync_engine, inline_engine):
+        for warm in (engine, sync_engine, handed_engine, inline_engine):
             await _kvstep_ms(warm, 32)
         _bare_ms(model, 32)
         engine.core.step_log.listeners.append(_stage_listener(stages))
         sync_engine.core.step_log.listeners.append(_stage_listener(series_stages))
+        handed_engine.core.step_log.listeners.append(_stage_listener(handed_stages))
         inline_engine.core.step_log.listeners.append(_stage_listener(inline_stages))
         for _ in range(rounds):
             samples["kvstep"].append(await _kvstep_ms(engine, tokens))
             samples["kvstep_sync"].append(await _kvstep_ms(sync_engine, tokens))
+            samples["kvstep_handed"].append(await _kvstep_ms(handed_engine, tokens))
             samples["kvstep_inline"].append(await _kvstep_ms(inline_engine, tokens))
             samples["bare"].append(_bare_ms(model, tokens))
             samples["generate"].append(_generate_ms(model, tokens))
@@ -141,11 +150,15 @@ async def _measure_async(path: Path, tokens: int, rounds: int) -> dict[str, Any]
         **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
         "ratio_kvstep_bare": round(ms["kvstep"] / ms["bare"], 3),
         "ratio_kvstep_sync_bare": round(ms["kvstep_sync"] / ms["bare"], 3),
+        "ratio_kvstep_handed_bare": round(ms["kvstep_handed"] / ms["bare"], 3),
         "ratio_kvstep_inline_bare": round(ms["kvstep_inline"] / ms["bare"], 3),
         "ratio_generate_bare": round(ms["generate"] / ms["bare"], 3),
         "stages_us": {k: round(statistics.median(v) * 1e6, 1) for k, v in stages.items()},
         "stages_in_series_us": {
             k: round(statistics.median(v) * 1e6, 1) for k, v in series_stages.items()
+        },
+        "stages_handed_us": {
+            k: round(statistics.median(v) * 1e6, 1) for k, v in handed_stages.items()
         },
         "stages_inline_us": {
             k: round(statistics.median(v) * 1e6, 1) for k, v in inline_stages.items()
@@ -180,6 +193,7 @@ def print_decode_step(row: dict[str, Any]) -> None:
     for label, key, ratio in (
         ("kvstep, async scheduling", "kvstep_ms", "ratio_kvstep_bare"),
         ("kvstep, in series (default)", "kvstep_sync_ms", "ratio_kvstep_sync_bare"),
+        ("kvstep, in series, handed over", "kvstep_handed_ms", "ratio_kvstep_handed_bare"),
         ("kvstep, in series, inline_forward", "kvstep_inline_ms", "ratio_kvstep_inline_bare"),
         ("transformers bare forward", "bare_ms", None),
         ("transformers generate()", "generate_ms", "ratio_generate_bare"),
@@ -187,11 +201,12 @@ def print_decode_step(row: dict[str, Any]) -> None:
         times = f"{row[ratio]:.2f}x" if ratio else "1.00x"
         print(f"  {label:<34} {row[key]:9.3f} {times:>8}")
     print(f"  goal: kvstep/bare <= {row['goal_ratio']}x; per-stage medians (µs):")
-    print(f"    {'stage':<24} {'async':>8} {'in series':>10} {'inline':>8}")
+    print(f"    {'stage':<24} {'async':>8} {'in series':>10} {'handed':>8} {'inline':>8}")
     for name, us in row["stages_in_series_us"].items():
         asy = row["stages_us"].get(name, float("nan"))
+        hand = row["stages_handed_us"].get(name, float("nan"))
         inl = row["stages_inline_us"].get(name, float("nan"))
-        print(f"    {name:<24} {asy:8.1f} {us:10.1f} {inl:8.1f}")
+        print(f"    {name:<24} {asy:8.1f} {us:10.1f} {hand:8.1f} {inl:8.1f}")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ __all__ = [
 EXECUTORS = ("inprocess", "multiproc", "ray")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+INLINE_FORWARD_BELOW_S = 0.002
+"""Default ``inline_forward_below_s``: passes shorter than a few thread hand-overs."""
+MAX_INLINE_FORWARD_BELOW_S = 1.0
+"""Longest ``inline_forward_below_s``: a longer pass blocking the loop is ``inline_forward``."""
 
 
 def _positive(inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
@@ -78,6 +82,10 @@ def _inline_forward(inst: EngineConfig, attribute: attrs.Attribute[Any], value: 
             f"only with executor='inprocess' (the ranks of {inst.executor!r} run in their own "
             "workers, with their compute threads)",
         )
+
+
+def _inline_forward_below(inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    check_float(attribute.name, value, InvalidConfigError, lo=0.0, hi=MAX_INLINE_FORWARD_BELOW_S)
 
 
 def _cuda_graphs(inst: EngineConfig, attribute: attrs.Attribute[Any], value: bool) -> None:
@@ -215,6 +223,13 @@ class EngineConfig:
             while a step computes (offline ``LLM`` use, a benchmark). A connector's layer
             hooks then run on the loop's thread too (the built-in connectors do their I/O
             on their own threads). Only with ``executor="inprocess"``.
+        inline_forward_below_s: With one rank on a CPU, run a forward pass (and its
+            sampling) on the event loop's thread when recent passes of the same step
+            shape (requests, tokens' power of two) took less than this many seconds:
+            a short pass then costs no thread hand-over, and blocks the loop no
+            longer than about this. A pass that runs a connector's layer hooks is
+            always handed over. ``0`` hands every pass over.
+            In ``[0, 1]``; default 2 ms (:mod:`stages.forward.compute_thread`).
         cuda_graphs: Replay decode-only steps from CUDA graphs, captured the first time
             each padded batch size and block-table width is needed: one launch for the
             whole decoder instead of a dozen per layer, what a small batch's decode step
@@ -257,6 +272,9 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = attrs.field(default=None, converter=kv_events_config)
     async_scheduling: bool = attrs.field(default=False, validator=_bool)
     inline_forward: bool = attrs.field(default=False, validator=_inline_forward)
+    inline_forward_below_s: float = attrs.field(
+        default=INLINE_FORWARD_BELOW_S, validator=_inline_forward_below
+    )
     cuda_graphs: bool = attrs.field(default=False, validator=_cuda_graphs)
 
 

@@ -70,9 +70,7 @@ async def until_idle(engine: AsyncEngine, timeout_s: float = 15.0) -> None:
 
     def idle() -> bool:
         guards = [w.connector.last_call for w in engine.core.workers]  # type: ignore[union-attr]
-        return engine.is_idle and all(
-            g in (None, "register_kv_caches", CLEAR) for g in guards
-        )
+        return engine.is_idle and all(g in (None, "register_kv_caches", CLEAR) for g in guards)
 
     with anyio.fail_after(timeout_s):
         while not idle():

@@ -164,7 +164,19 @@ def _check_cuda_graphs(result: dict) -> None:
         assert r["eager_ms_per_step"] > 0 and r["graphs_ms_per_step"] > 0
 
 
+def _check_step_overhead(result: dict) -> None:
+    """The decode step has every contender timed against the bare forward, and where
+    each engine's step went (the handed-over engine's stages too)."""
+    decode = result["decode_step"]
+    assert decode["bare_ms"] > 0
+    for contender in ("kvstep", "kvstep_sync", "kvstep_handed", "kvstep_inline", "generate"):
+        assert decode[f"{contender}_ms"] > 0 and decode[f"ratio_{contender}_bare"] > 0
+    for stages in ("stages_us", "stages_in_series_us", "stages_handed_us", "stages_inline_us"):
+        assert decode[stages]["worker.forward"] > 0
+
+
 CHECKS = {
+    "step_overhead.py": _check_step_overhead,
     "serve.py": _check_serve,
     "routing.py": _check_routing,
     "cuda_graphs.py": _check_cuda_graphs,

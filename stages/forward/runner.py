@@ -39,6 +39,12 @@ from stages.forward.step_sampler import StepSampler
 __all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
 
 
+def _compute(spec: RunnerSpec, rank: int) -> Compute:
+    """Rank ``rank``'s compute thread (or :class:`InlineCompute`), as ``spec`` asks."""
+    inline, below_s = spec.inline_forward, spec.inline_forward_below_s
+    return make_compute(f"kvstep-compute-r{rank}", inline=inline, inline_below_s=below_s)
+
+
 class ModelRunner:
     """Runs the model over one step's batch and samples from its logits.
 
@@ -49,9 +55,7 @@ class ModelRunner:
 
     def __init__(self, parts: RunnerParts, *, compute: Compute | None = None) -> None:
         spec, loaded, tp = parts.spec, parts.loaded, parts.tp
-        self.compute = compute or make_compute(
-            f"kvstep-compute-r{parts.rank}", inline=spec.inline_forward
-        )
+        self.compute = compute or _compute(spec, parts.rank)
         self.spec = spec
         self._loaded = loaded
         self.model: CausalLM = loaded.model
@@ -139,7 +143,7 @@ class ModelRunner:
         elif options:
             raise TypeError(f"options {sorted(options)} belong in the RunnerSpec")
         shared = None if shared_model is None else shared_model._shared_weights()
-        compute = make_compute(f"kvstep-compute-r{rank}", inline=spec.inline_forward)
+        compute = _compute(spec, rank)
 
         def build() -> ModelRunner:
             parts = load_parts(spec, rank=rank, shared_model=shared, tp=tp)

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import attrs
 
-from pipeline.checks import check_int
-from pipeline.config import EngineConfig, config_values
+from pipeline.checks import check_float, check_int
+from pipeline.config import (
+    INLINE_FORWARD_BELOW_S,
+    MAX_INLINE_FORWARD_BELOW_S,
+    EngineConfig,
+    config_values,
+)
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["RunnerSpec"]
@@ -40,6 +45,9 @@ class RunnerSpec:
         world_size: Number of ranks.
         inline_forward: Run the forward pass and sampling on the thread that awaits
             them (the event loop's) instead of the runner's compute thread.
+        inline_forward_below_s: Run a pass there when recent passes of its step's
+            shape took less than this many seconds (one rank on a CPU only;
+            :mod:`~stages.forward.compute_thread`); ``0``: never. At most ``1``.
         cuda_graphs: Replay decode-only steps from CUDA graphs
             (:class:`~stages.forward.cuda_graphs.DecodeGraphs`); CUDA only, one rank.
 
@@ -60,12 +68,15 @@ class RunnerSpec:
     seed: int = 0
     world_size: int = 1
     inline_forward: bool = False
+    inline_forward_below_s: float = INLINE_FORWARD_BELOW_S
     cuda_graphs: bool = False
 
     def __attrs_post_init__(self) -> None:
         for name in _POSITIVE:
             check_int(name, getattr(self, name), InvalidConfigError, lo=1)
         check_int("num_blocks", self.num_blocks, InvalidConfigError, lo=1, optional=True)
+        name, value = "inline_forward_below_s", self.inline_forward_below_s
+        check_float(name, value, InvalidConfigError, lo=0.0, hi=MAX_INLINE_FORWARD_BELOW_S)
         for name in ("inline_forward", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(name, getattr(self, name), "must be a bool")

@@ -13,10 +13,25 @@ from pipeline.kernel.context import StepContext
 if TYPE_CHECKING:
     from stages.forward.runner import ModelRunner
 
-__all__ = ["ForwardStage", "SampleStage"]
+__all__ = ["ForwardStage", "SampleStage", "cost_key"]
 
 _PRESAMPLED = "forward.presampled"
 """``ctx.scratch`` key: ``(model_output, SampledTokens | Exception)`` sampled by forward."""
+
+
+def cost_key(
+    runner: ModelRunner, scheduler_output: SchedulerOutput, connector: KVConnectorWorker | None
+) -> tuple[int, int] | None:
+    """The shape a pass's duration is estimated by (``ComputeThread.run``'s cost key):
+    the number of requests and the power of two of the token count. ``None`` (always
+    on the compute thread) off the CPU, where the pass is a launch; with more than one
+    rank, whose pass waits for the others'; and when a connector's layer hooks run,
+    which may wait for work of the event loop's.
+    """
+    if runner.device.type != "cpu" or runner.world_size != 1 or connector is not None:
+        return None
+    tokens = scheduler_output.total_num_scheduled_tokens
+    return len(scheduler_output.requests), tokens.bit_length()
 
 
 def _needs_sampling(model_output: ModelOutput) -> bool:
@@ -40,10 +55,12 @@ def _forward_and_sample(
 class ForwardStage:
     """Runs the model on the runner's compute thread; per-layer connector hooks run there.
 
-    The event loop stays free while the pass runs. When ``load`` bound nothing, the
-    connector is not handed to the pass, so its layer hooks are not called. On a
-    tensor-parallel rank the pass all-reduces with the other ranks (``collective``): a
-    step that fails before it completes is fatal to the worker.
+    The event loop stays free while the pass runs, unless recent passes of the step's
+    shape (:func:`cost_key`) were shorter than the runner's ``inline_forward_below_s``:
+    then it runs on the loop's thread, without the two thread wake-ups. When ``load``
+    bound nothing, the connector is not handed to the pass, so its layer hooks are not
+    called. On a tensor-parallel rank the pass all-reduces with the other ranks
+    (``collective``): a step that fails before it completes is fatal to the worker.
 
     With ``presample`` (the driver rank of the default graph), the same call on the
     compute thread also samples the logits, and :class:`SampleStage` takes the result
@@ -66,10 +83,13 @@ class ForwardStage:
         connector = self.connector if ctx.get(LoadStarted).started else None
         if scheduler_output.is_empty and connector is None:
             return self.runner.execute(scheduler_output, None)  # drops finished state only
+        key = cost_key(self.runner, scheduler_output, connector)
         if not self.presample:
-            return await self.runner.compute.run(self.runner.execute, scheduler_output, connector)
+            return await self.runner.compute.run(
+                self.runner.execute, scheduler_output, connector, cost_key=key
+            )
         model_output, sampled = await self.runner.compute.run(
-            _forward_and_sample, self.runner, scheduler_output, connector
+            _forward_and_sample, self.runner, scheduler_output, connector, cost_key=key
         )
         if sampled is not None:
             ctx.scratch[_PRESAMPLED] = (model_output, sampled)

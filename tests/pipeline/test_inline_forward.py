@@ -1,12 +1,16 @@
-"""``EngineConfig.inline_forward``: the forward pass and sampling run on the event loop's
-thread, and nothing a request sees changes.
+"""``EngineConfig.inline_forward`` (every forward pass and its sampling on the event
+loop's thread) and ``inline_forward_below_s`` (a pass there when recent passes of its
+step's shape were shorter than that): nothing a request sees changes.
 
 - The same requests give the same outputs (tokens, finish and stop reasons, logprobs)
-  with the runner's compute thread and inline: greedy and seeded sampling, penalties,
-  chunked prefill, without prefix caching, with the offload connector (whose layer
-  hooks then run on the loop's thread), and with async scheduling on.
+  with the runner's compute thread, inline, and adaptive (inline from the second pass
+  of a shape on): greedy and seeded sampling, penalties, chunked prefill, without
+  prefix caching, with the offload connector (whose layer hooks then run on the loop's
+  thread), and with async scheduling on.
 - Inline, the forward runs on the thread of the loop that awaits it and no compute
-  thread exists; with the thread, it runs there (so the check can fail).
+  thread exists; handed over (a zero bound), it runs there; adaptive, the first pass of
+  each step shape runs there and the later ones on the loop's thread; with two ranks
+  every pass is handed over (a rank's pass waits for the other's).
 - A forward pass that raises (a real exception, inline on the loop) fails its own
   step's requests only: the engine goes on serving.
 - A bad value, or inline with an executor whose ranks run in workers of their own, is
@@ -36,9 +40,11 @@ pytestmark = pytest.mark.timeout(240)
 def test_outputs_equal_to_compute_thread(llama_path: Path, case: str) -> None:
     """Every request's outputs are the same whichever thread runs the forward pass."""
     config = _config(llama_path, **CASES[case])
-    threaded = _run(attrs.evolve(config, inline_forward=False))
+    threaded = _run(attrs.evolve(config, inline_forward=False, inline_forward_below_s=0.0))
     inline = _run(attrs.evolve(config, inline_forward=True))
+    adaptive = _run(attrs.evolve(config, inline_forward_below_s=1.0))
     assert inline == threaded
+    assert adaptive == threaded
     assert {summary[1] for summary in threaded} >= {"length"}
 
 
@@ -51,13 +57,16 @@ def test_outputs_equal_with_async_scheduling(llama_path: Path) -> None:
     assert both == plain
 
 
-def _record_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Wrap ``ModelRunner.execute``: the ident of each thread that runs a forward pass."""
+def _record_threads(monkeypatch: pytest.MonkeyPatch, hooked: list[bool] | None = None) -> list[int]:
+    """Wrap ``ModelRunner.execute``: the ident of each thread that runs a forward pass
+    (and in ``hooked`` whether the pass was given the connector, whose hooks it runs)."""
     threads: list[int] = []
     execute = ModelRunner.execute
 
     def recording(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
         threads.append(threading.get_ident())
+        if hooked is not None:
+            hooked.append(len(args) > 1 and args[1] is not None)
         return execute(self, *args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "execute", recording)
@@ -72,32 +81,69 @@ async def _generate(engine: AsyncEngine, prompt: list[int], max_tokens: int = 4)
     return last
 
 
-@pytest.mark.parametrize("inline", [True, False])
-def test_forward_thread(llama_path: Path, monkeypatch: pytest.MonkeyPatch, *, inline: bool) -> None:
-    """Inline: every forward pass runs on the loop's thread and no compute thread is
-    alive. Otherwise: on the runner's compute thread, never on the loop's."""
+MODES: dict[str, dict[str, Any]] = {
+    "inline": {"inline_forward": True},
+    "handed_over": {"inline_forward_below_s": 0.0},
+    "adaptive": {"inline_forward_below_s": 1.0},
+    "adaptive_two_ranks": {"inline_forward_below_s": 1.0, "world_size": 2},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_forward_thread(llama_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Where each forward pass of one request (a prefill, then 3 decode steps) runs."""
     threads = _record_threads(monkeypatch)
 
-    async def main() -> tuple[int, set[str], type]:
+    async def main() -> tuple[int, set[str], Any]:
         loop_thread = threading.get_ident()
-        async with AsyncEngine(_config(llama_path, inline_forward=inline)) as engine:
+        async with AsyncEngine(_config(llama_path, **MODES[mode])) as engine:
             out = await _generate(engine, [5, 6, 7])
             assert out is not None and len(out.token_ids) == 4
             names = {t.name for t in threading.enumerate()}
-            compute = type(engine.core.workers[0].runner.compute)
+            compute = engine.core.workers[0].runner.compute
         return loop_thread, names, compute
 
     loop_thread, names, compute = anyio.run(main)
-    assert len(threads) >= 4
+    on_loop = [t == loop_thread for t in threads]
     compute_threads = {n for n in names if n.startswith("kvstep-compute")}
-    if inline:
-        assert set(threads) == {loop_thread}
+    if mode == "inline":
+        assert on_loop == [True] * 4
         assert not compute_threads
-        assert compute is InlineCompute
-    else:
-        assert loop_thread not in threads
-        assert compute_threads
-        assert compute is ComputeThread
+        assert type(compute) is InlineCompute
+        return
+    assert compute_threads and type(compute) is ComputeThread
+    if mode == "adaptive":  # the prefill's shape and the decode's: first seen, handed over
+        assert on_loop == [False, False, True, True]
+        assert (compute.thread_calls, compute.inline_calls) == (2, 2)
+    elif mode == "handed_over":
+        assert on_loop == [False] * 4 and compute.inline_calls == 0
+    else:  # two ranks: both ranks' passes, all on their threads
+        assert len(on_loop) == 8 and not any(on_loop) and compute.inline_calls == 0
+
+
+def test_a_pass_that_runs_connector_hooks_is_handed_over(
+    llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adaptive, with the offload connector: a pass given the connector (its layer hooks
+    may wait for the loop's work; the connector binds metadata every step) runs on the
+    compute thread however short its shape's passes were."""
+    hooked: list[bool] = []
+    threads = _record_threads(monkeypatch, hooked)
+    options = {"connector": "offload", "connector_options": {"num_blocks": 64}}
+
+    async def main() -> tuple[int, int]:
+        async with AsyncEngine(
+            _config(llama_path, inline_forward_below_s=1.0, **options)
+        ) as engine:
+            for _ in range(2):  # the second time the prompt's blocks are cached
+                out = await _generate(engine, [9, 8, 7, 6] * 8, max_tokens=6)
+                assert out is not None and len(out.token_ids) == 6
+            inline_calls = engine.core.workers[0].runner.compute.inline_calls
+        return threading.get_ident(), inline_calls
+
+    loop_thread, inline_calls = anyio.run(main)
+    assert len(threads) >= 10 and all(hooked)
+    assert loop_thread not in threads and inline_calls == 0
 
 
 def test_failed_forward_fails_its_step_only(
@@ -128,6 +174,20 @@ def test_failed_forward_fails_its_step_only(
     assert len(failed.token_ids) == 1  # the prefill's token, before the failed step
     assert served.finish_reason == "length"
     assert len(served.token_ids) == 6
+
+
+@pytest.mark.parametrize("value", [True, -0.001, 1.5, float("nan"), float("inf"), "0.002", None])
+def test_a_bad_bound_is_refused(value: object) -> None:
+    """inline_forward_below_s: a number of seconds in [0, 1], never a bool; the engine's
+    config and the runner's spec refuse the same values, naming the field."""
+    from stages.forward.spec import RunnerSpec
+
+    with pytest.raises(InvalidConfigError) as info:
+        EngineConfig(inline_forward_below_s=value)  # type: ignore[arg-type]
+    assert info.value.field == "inline_forward_below_s"
+    with pytest.raises(InvalidConfigError) as info:
+        RunnerSpec(model="builtin:tiny", inline_forward_below_s=value)  # type: ignore[arg-type]
+    assert info.value.field == "inline_forward_below_s"
 
 
 @pytest.mark.parametrize("value", [1, "true", None])
