@@ -94,6 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, what in (
         ("--async-scheduling", "async scheduling"),
         ("--inline-forward", "the forward pass on its event loop's thread"),
+        ("--hand-over", "every forward pass handed to the compute thread"),
     ):
         group.add_argument(
             flag, action="store_true",
@@ -130,9 +131,10 @@ def _ids(text: str, vocab: int) -> list[int]:
 # -- the two engines (each in a child process) ---------------------------------------------
 
 
-VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "async_scheduling": ("kvstep-async", {"async_scheduling": True}),
     "inline_forward": ("kvstep-inline", {"inline_forward": True}),
+    "hand_over": ("kvstep-handed", {"inline_forward_below_s": 0.0}),
 }
 """Flag (``args`` attribute) -> (engine name, ``EngineConfig`` overrides) of kvstep's
 variants, each compared with kvstep's defaults on the same workload."""

@@ -65,7 +65,8 @@ def print_table(result: dict[str, Any]) -> None:
     head = f"{'scenario':<12}{'engine':<14}{'tok/s':>9}{'req/s':>8}"
     print(head + "".join(f"{m:>12}" for m in ("TTFT p50", "TTFT p99", "ITL p50", "ITL p99")))
     for run in result["runs"]:
-        for engine in ("transformers", "kvstep", "kvstep-async", "kvstep-inline"):
+        variants = [k for k, v in run.items() if k.startswith("kvstep-") and isinstance(v, dict)]
+        for engine in ("transformers", "kvstep", *variants):
             if engine not in run:
                 continue
             row = run[engine]
@@ -84,7 +85,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"kvstep {run['identical_kvstep_vs_reference']:.0%}, transformers "
             f"{run['identical_transformers_vs_reference']:.0%}"
         )
-        for engine in ("kvstep-async", "kvstep-inline"):
+        for engine in variants:
             if engine in run:
                 ratio = run[engine]["output_tok_s"] / run["kvstep"]["output_tok_s"]
                 print(

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=RESULTS / "throughput.json")
     parser.add_argument(
         "--engine",
-        choices=["both", "kvstep", "kvstep-async", "kvstep-inline", "transformers"],
+        choices=["both", "kvstep", "transformers", *(e for e, _ in serving.VARIANTS.values())],
         default="both",
     )
     parser.add_argument("--model-path", type=Path, default=None, help=argparse.SUPPRESS)

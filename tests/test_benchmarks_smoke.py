@@ -204,6 +204,7 @@ SERVING_ARGS = [
     "--check-requests",
     "2",
     "--inline-forward",
+    "--hand-over",
 ]
 
 
@@ -226,13 +227,14 @@ def test_benchmark_runs_and_writes_json(script: str, tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_throughput_serving_mode_runs(tmp_path: Path) -> None:
     """``throughput.py --serving`` serves every request on both engines (and kvstep with
-    its forward pass inline, which gives the same greedy tokens) in both scenarios and
-    reports throughput, TTFT/ITL quantiles and the saturation ratio."""
+    every forward pass inline, and with every one handed over, which give the same greedy
+    tokens) in both scenarios and reports throughput, TTFT/ITL quantiles and the
+    saturation ratio."""
     result = _run("throughput.py", SERVING_ARGS, tmp_path / "result.json")
     assert [run["scenario"] for run in result["runs"]] == ["poisson", "saturation"]
     for run in result["runs"]:
-        assert run["kvstep-inline_identical"] == 1.0
-        for engine in ("kvstep", "transformers", "kvstep-inline"):
+        assert run["kvstep-inline_identical"] == run["kvstep-handed_identical"] == 1.0
+        for engine in ("kvstep", "transformers", "kvstep-inline", "kvstep-handed"):
             row = run[engine]
             assert 4 * 2 <= row["output_tokens"] <= 4 * 4
             assert row["output_tok_s"] > 0
