@@ -20,6 +20,7 @@ step's shape were shorter than that): nothing a request sees changes.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import attrs
 import pytest
 
 from pipeline import AsyncEngine, EngineConfig, SamplingParams
+from pipeline.config import INLINE_FORWARD_BELOW_S
 from pipeline.errors import InvalidConfigError
 from stages.forward.compute_thread import ComputeThread, InlineCompute
 from stages.forward.runner import ModelRunner
@@ -119,6 +121,43 @@ def test_forward_thread(llama_path: Path, monkeypatch: pytest.MonkeyPatch, mode:
         assert on_loop == [False] * 4 and compute.inline_calls == 0
     else:  # two ranks: both ranks' passes, all on their threads
         assert len(on_loop) == 8 and not any(on_loop) and compute.inline_calls == 0
+
+
+def test_passes_longer_than_the_bound_are_always_handed_over(
+    llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default bound (2 ms), passes that take 50 ms (a real sleep inside the
+    pass) never run on the loop's thread, however often their shape repeats; a ticker
+    on the loop keeps running while they compute."""
+    threads = _record_threads(monkeypatch)
+    execute = ModelRunner.execute
+
+    def slow(self: ModelRunner, *args: Any) -> Any:
+        time.sleep(0.05)
+        return execute(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "execute", slow)
+    ticks: list[float] = []
+
+    async def main() -> int:
+        async with AsyncEngine(_config(llama_path)) as engine:
+            assert engine.config.inline_forward_below_s == INLINE_FORWARD_BELOW_S == 0.002
+            async with anyio.create_task_group() as tg:
+
+                async def tick() -> None:
+                    while True:
+                        ticks.append(time.monotonic())
+                        await anyio.sleep(0.005)
+
+                tg.start_soon(tick)
+                out = await _generate(engine, [5, 6, 7], max_tokens=8)
+                tg.cancel_scope.cancel()
+            assert out is not None and len(out.token_ids) == 8
+        return threading.get_ident()
+
+    loop_thread = anyio.run(main)
+    assert len(threads) == 8 and loop_thread not in threads
+    assert len(ticks) > 8 * 0.05 / 0.005 / 4  # the loop ran while the passes computed
 
 
 def test_a_pass_that_runs_connector_hooks_is_handed_over(
