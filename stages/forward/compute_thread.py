@@ -81,7 +81,8 @@ class _Timed(Generic[T]):
 
 
 class ComputeThread:
-    """A single worker thread; calls run on it one at a time, in submission order.
+    """A single worker thread; calls run on it one at a time, in submission order (a
+    call that :meth:`run` makes inline, too: never while a handed-over call is pending).
 
     Each call runs in a copy of the caller's context (contextvars), as
     ``anyio.to_thread.run_sync`` does, so the step's bound ``step_id`` and ``rank``
@@ -104,6 +105,7 @@ class ComputeThread:
         self._thread_ident: int | None = None
         self._closed = False
         self._estimates: OrderedDict[Hashable, float] = OrderedDict()
+        self._handed_over = 0  # run() calls submitted to the thread and not yet back
 
     def _on_thread(self) -> bool:
         return self._thread_ident == threading.get_ident()
@@ -141,7 +143,8 @@ class ComputeThread:
         estimate = self._estimates.get(cost_key)
         timed = _Timed(fn)
         try:
-            if estimate is not None and estimate < self.inline_below_s:
+            short = estimate is not None and estimate < self.inline_below_s
+            if short and not self._handed_over:
                 self.inline_calls += 1
                 return contextvars.copy_context().run(timed, *args)
             self.thread_calls += 1
@@ -163,8 +166,12 @@ class ComputeThread:
         call_soon = _threadsafe_call_soon()
         future = self._pool.submit(contextvars.copy_context().run, fn, *args)
         future.add_done_callback(lambda _: _wake(call_soon, done.set))
-        with anyio.CancelScope(shield=True):
-            await done.wait()
+        self._handed_over += 1
+        try:
+            with anyio.CancelScope(shield=True):
+                await done.wait()
+        finally:
+            self._handed_over -= 1
         return future.result()
 
     def close(self) -> None:

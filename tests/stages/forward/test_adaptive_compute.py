@@ -178,3 +178,36 @@ def test_make_compute_passes_the_bound() -> None:
     compute = make_compute("test-adaptive-make", inline_below_s=0.25)
     assert isinstance(compute, ComputeThread) and compute.inline_below_s == 0.25
     compute.close()
+
+
+async def test_a_short_call_waits_behind_a_pending_handed_over_call() -> None:
+    """While a call runs on the thread, a call that would run inline is handed over too,
+    and runs after it: calls never overlap, in submission order."""
+    compute = ComputeThread("test-adaptive-order", inline_below_s=0.5)
+    order: list[str] = []
+
+    def record(label: str, sleep_s: float) -> int:
+        order.append(f"{label} start")
+        time.sleep(sleep_s)
+        order.append(f"{label} end")
+        return threading.get_ident()
+
+    try:
+        await compute.run(record, "warm", 0.0, cost_key="short")
+        order.clear()
+        where: dict[str, int] = {}
+
+        async def call(label: str, sleep_s: float, key: str | None) -> None:
+            where[label] = await compute.run(record, label, sleep_s, cost_key=key)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, "long", 0.2, None)
+            await anyio.sleep(0.05)  # the long call is on the thread
+            tg.start_soon(call, "short", 0.0, "short")
+        here = threading.get_ident()
+        after = await compute.run(_where, cost_key="short")  # nothing pending: inline
+    finally:
+        compute.close()
+    assert order == ["long start", "long end", "short start", "short end"]
+    assert where["long"] == where["short"] != here
+    assert after == here
