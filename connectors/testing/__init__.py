@@ -8,11 +8,11 @@
 
 The registry imports this package only when ``"recording"`` or ``"faulty"`` is looked
 up; importing the runtime packages never does. The public names live in
-private-by-convention modules (``recording``, ``faulty``, ``fault_spec``,
-``fault_stage``) and report this package as their module, as trio's do: the wire names a
-metadata class ``connectors.testing:RecordingMetadata``, and a connector's metadata
-allow-list covers the package its halves report (for the faulty wrapper, ``connectors``:
-it forwards whichever connector's metadata it wraps).
+private-by-convention modules (``recording``, ``lifecycle_check``, ``faulty``,
+``fault_spec``, ``fault_stage``) and report this package as their module, as trio's
+do: the wire names a metadata class ``connectors.testing:RecordingMetadata``, and a
+connector's metadata allow-list covers the package its halves report (for the faulty
+wrapper, ``connectors``: it forwards whichever connector's metadata it wraps).
 """
 
 from connectors.testing.fault_spec import (
@@ -26,12 +26,8 @@ from connectors.testing.fault_spec import (
 )
 from connectors.testing.fault_stage import FaultStage
 from connectors.testing.faulty import FaultyConnector
-from connectors.testing.recording import (
-    ConnectorCall,
-    RecordingConnector,
-    RecordingMetadata,
-    check_lifecycle,
-)
+from connectors.testing.lifecycle_check import check_lifecycle
+from connectors.testing.recording import ConnectorCall, RecordingConnector, RecordingMetadata
 
 __all__ = [
     "ACTIONS",
