@@ -28,6 +28,7 @@ listener (``StepLog.listeners``): where a step's time goes. Goal: kvstep <= 1.15
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import tempfile
@@ -114,54 +115,39 @@ async def _measure_async(path: Path, tokens: int, rounds: int) -> dict[str, Any]
 
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     in_series = EngineConfig(model=str(path), dtype="float32", max_model_len=4096)
-    config = attrs.evolve(in_series, async_scheduling=True)
-    inline = attrs.evolve(in_series, inline_forward=True)
-    handed = attrs.evolve(in_series, inline_forward_below_s=0.0)
-    stages: dict[str, list[float]] = defaultdict(list)
-    series_stages: dict[str, list[float]] = defaultdict(list)
-    handed_stages: dict[str, list[float]] = defaultdict(list)
-    inline_stages: dict[str, list[float]] = defaultdict(list)
-    samples: dict[str, list[float]] = {
-        "kvstep": [], "kvstep_sync": [], "kvstep_handed": [], "kvstep_inline": [],
-        "bare": [], "generate": [],
-    }  # fmt: skip
-    async with (
-        AsyncEngine(config) as engine,
-        AsyncEngine(in_series) as sync_engine,
-        AsyncEngine(handed) as handed_engine,
-        AsyncEngine(inline) as inline_engine,
-    ):
-        for warm in (engine, sync_engine, handed_engine, inline_engine):
-            await _kvstep_ms(warm, 32)
+    # kvstep's contenders: sample key -> (its step log's per-stage key, its config).
+    contenders = {
+        "kvstep": ("stages_us", attrs.evolve(in_series, async_scheduling=True)),
+        "kvstep_sync": ("stages_in_series_us", in_series),
+        "kvstep_handed": ("stages_handed_us", attrs.evolve(in_series, inline_forward_below_s=0.0)),
+        "kvstep_inline": ("stages_inline_us", attrs.evolve(in_series, inline_forward=True)),
+    }
+    stages: dict[str, dict[str, list[float]]] = {
+        key: defaultdict(list) for key, _ in contenders.values()
+    }
+    samples: dict[str, list[float]] = {name: [] for name in (*contenders, "bare", "generate")}
+    async with contextlib.AsyncExitStack() as stack:
+        engines = {
+            name: await stack.enter_async_context(AsyncEngine(config))
+            for name, (_, config) in contenders.items()
+        }
+        for engine in engines.values():
+            await _kvstep_ms(engine, 32)
         _bare_ms(model, 32)
-        engine.core.step_log.listeners.append(_stage_listener(stages))
-        sync_engine.core.step_log.listeners.append(_stage_listener(series_stages))
-        handed_engine.core.step_log.listeners.append(_stage_listener(handed_stages))
-        inline_engine.core.step_log.listeners.append(_stage_listener(inline_stages))
+        for name, engine in engines.items():
+            engine.core.step_log.listeners.append(_stage_listener(stages[contenders[name][0]]))
         for _ in range(rounds):
-            samples["kvstep"].append(await _kvstep_ms(engine, tokens))
-            samples["kvstep_sync"].append(await _kvstep_ms(sync_engine, tokens))
-            samples["kvstep_handed"].append(await _kvstep_ms(handed_engine, tokens))
-            samples["kvstep_inline"].append(await _kvstep_ms(inline_engine, tokens))
+            for name, engine in engines.items():
+                samples[name].append(await _kvstep_ms(engine, tokens))
             samples["bare"].append(_bare_ms(model, tokens))
             samples["generate"].append(_generate_ms(model, tokens))
     ms = {k: statistics.median(v) for k, v in samples.items()}
     return {
         **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
-        "ratio_kvstep_bare": round(ms["kvstep"] / ms["bare"], 3),
-        "ratio_kvstep_sync_bare": round(ms["kvstep_sync"] / ms["bare"], 3),
-        "ratio_kvstep_handed_bare": round(ms["kvstep_handed"] / ms["bare"], 3),
-        "ratio_kvstep_inline_bare": round(ms["kvstep_inline"] / ms["bare"], 3),
-        "ratio_generate_bare": round(ms["generate"] / ms["bare"], 3),
-        "stages_us": {k: round(statistics.median(v) * 1e6, 1) for k, v in stages.items()},
-        "stages_in_series_us": {
-            k: round(statistics.median(v) * 1e6, 1) for k, v in series_stages.items()
-        },
-        "stages_handed_us": {
-            k: round(statistics.median(v) * 1e6, 1) for k, v in handed_stages.items()
-        },
-        "stages_inline_us": {
-            k: round(statistics.median(v) * 1e6, 1) for k, v in inline_stages.items()
+        **{f"ratio_{k}_bare": round(ms[k] / ms["bare"], 3) for k in (*contenders, "generate")},
+        **{
+            key: {k: round(statistics.median(v) * 1e6, 1) for k, v in per_stage.items()}
+            for key, per_stage in stages.items()
         },
     }
 
