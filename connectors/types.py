@@ -84,6 +84,9 @@ class ConnectorContext:
         rank: Worker rank (0 on the scheduler side).
         world_size: Number of worker ranks.
         hash_seed: Root seed of the chained block hashes.
+        engine_id: The engine's id (``EngineConfig.engine_id``), the same for both
+            halves and every rank of one engine, and unique per engine: a started
+            engine always has one.
     """
 
     role: KVConnectorRole
@@ -93,6 +96,7 @@ class ConnectorContext:
     rank: int = 0
     world_size: int = 1
     hash_seed: int = 0
+    engine_id: str = ""
 
 
 class KVConnectorMetadata(abc.ABC):  # noqa: B024

@@ -157,6 +157,15 @@ def _options(inst: object, attribute: attrs.Attribute[Any], value: dict[str, Any
     check_plain("connector_options", value, _secret_safe_error)
 
 
+def _engine_id(inst: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None and (
+        not isinstance(value, str) or not 0 < len(value) <= 256 or not value.isprintable()
+    ):
+        raise InvalidConfigError(
+            "engine_id", value, "must be None or a printable string of 1..256 characters"
+        )
+
+
 def _step_log(inst: object, attribute: attrs.Attribute[Any], value: str | Path | None) -> None:
     if value is not None and not isinstance(value, str | os.PathLike):
         raise InvalidConfigError("step_log", value, "must be a path (str or PathLike) or None")
@@ -241,6 +250,11 @@ class EngineConfig:
             PUB endpoint such as ``tcp://*:5557``, or a dict (JSON object) of
             ``KVEventsConfig`` fields, e.g. ``{"endpoint": "tcp://*:5557",
             "replay_endpoint": "tcp://*:5558"}``; ``None``: off.
+        engine_id: This engine's id among the engines that exchange KV (vLLM's
+            ``kv_transfer_config.engine_id``): what a producer names itself in the
+            ``kv_transfer_params`` it answers, and what its NIXL agents are named after.
+            ``None`` (the default): a fresh random id (a uuid4) each time an engine
+            starts, so two engines on one host never share one.
     """
 
     model: str = attrs.field(default="builtin:tiny", validator=_model)
@@ -276,6 +290,7 @@ class EngineConfig:
         default=INLINE_FORWARD_BELOW_S, validator=_inline_forward_below
     )
     cuda_graphs: bool = attrs.field(default=False, validator=_cuda_graphs)
+    engine_id: str | None = attrs.field(default=None, validator=_engine_id)
 
 
 def config_values(config: EngineConfig, spec: type[Any], **renamed: str) -> dict[str, Any]:

@@ -7,7 +7,8 @@ Options (``EngineConfig.connector_options``)::
                          (default "127.0.0.1")
     port                 side-channel port of rank 0; rank r serves on port + r
                          (default 5600)
-    engine_id            this engine's id (default "host:port")
+    engine_id            this engine's id (default: the engine's own,
+                         ``EngineConfig.engine_id``, a fresh uuid4 per engine)
     handshake_timeout_s  bound on a peer's handshake (default 5)
     read_timeout_s       bound on one request's READ (default 30)
     lease_s              how long a producer holds a finished prefill's blocks for
@@ -16,6 +17,7 @@ Options (``EngineConfig.connector_options``)::
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -71,8 +73,9 @@ class NixlOptions:
         return self.role in ("consumer", "both")
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> NixlOptions:
-        """Validate ``connector_options``.
+    def from_options(cls, options: Mapping[str, Any], engine_id: str = "") -> NixlOptions:
+        """Validate ``connector_options``; ``engine_id`` is the engine's
+        (:attr:`~connectors.types.ConnectorContext.engine_id`), the default of the option.
 
         Raises:
             InvalidConfigError: An unknown option, a missing or unknown ``role``, or a
@@ -106,7 +109,9 @@ class NixlOptions:
             lo=1,
             hi=65535,
         )
-        engine_id = options.get("engine_id", f"{host}:{port}")
+        # Without the engine's id (a half built outside an engine) a fresh one: never an
+        # id another engine on this host would derive too (a shared port, say).
+        engine_id = options.get("engine_id", engine_id or uuid.uuid4().hex)
         return cls(
             role=role,
             host=host,

@@ -80,7 +80,7 @@ class NixlScheduler(KVConnectorScheduler):
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        self.options = NixlOptions.from_options(context.options)
+        self.options = NixlOptions.from_options(context.options, context.engine_id)
         self.fingerprint = model_key(context)
         self.block_size = context.block_size
         self.tp_size = context.world_size

@@ -79,7 +79,7 @@ class NixlWorker(KVConnectorWorker):
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        self.options = NixlOptions.from_options(context.options)
+        self.options = NixlOptions.from_options(context.options, context.engine_id)
         self.fingerprint = model_key(context)
         self.agent: KVAgent | None = None
         self.server: HandshakeServer | None = None

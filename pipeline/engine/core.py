@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -63,6 +64,8 @@ class EngineCore:
     ) -> None:
         if config.connector is not None:
             get_connector(config.connector)  # unknown names fail before the model loads
+        if config.engine_id is None:  # one id per started engine, for every rank
+            config = attrs.evolve(config, engine_id=uuid.uuid4().hex)
         self.config = config
         self.step_log = StepLog(config.step_log)
         self.workers: list[Worker] = []  # in-process ranks only

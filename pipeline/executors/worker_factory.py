@@ -98,6 +98,7 @@ def connector_context(
         rank=rank,
         world_size=config.world_size,
         hash_seed=config.hash_seed,
+        engine_id=config.engine_id or "",
     )
 
 

@@ -51,9 +51,14 @@ def finish(sched: NixlScheduler, req: Request, blocks: list[int]) -> Any:
 
 class TestOptions:
     def test_defaults_and_engine_id(self) -> None:
-        """engine_id defaults to host:port."""
-        opts = NixlOptions.from_options({"role": "both"})
-        assert (opts.produces, opts.consumes, opts.engine_id) == (True, True, "127.0.0.1:5600")
+        """engine_id defaults to the engine's id, never to the side channel's address
+        (two engines on one host would share it); without one, a fresh id each time."""
+        opts = NixlOptions.from_options({"role": "both"}, "e1")
+        assert (opts.produces, opts.consumes, opts.engine_id) == (True, True, "e1")
+        first = NixlOptions.from_options({"role": "both"}).engine_id
+        second = NixlOptions.from_options({"role": "both"}).engine_id
+        assert first != second and "5600" not in first
+        assert NixlOptions.from_options({"role": "both", "engine_id": "x"}, "e1").engine_id == "x"
 
     @pytest.mark.parametrize(
         "options",
