@@ -5,7 +5,9 @@ block pool) into the engine's sink; the connector's scheduler half gets the same
 through ``set_kv_event_sink`` and each of its tiers that publishes reports under its
 own medium (``offload``: ``"CPU"``, as vLLM's CPU offloading connector;
 ``shared_storage``: ``"DISK"``; ``redis``: ``"REDIS"``) into the same
-list, so a step's batch holds every tier's events in the order they happened.
+list, so a step's batch holds every tier's events in the order they happened. The
+device tier's ``BlockStored`` carry token ids only with
+``KVEventsConfig(include_token_ids=True)``.
 
 :func:`start_kv_events` gives ``None`` when ``EngineConfig.kv_events`` is ``None``: then
 neither the pool nor the connector has a sink, and the engine step pays one
@@ -74,7 +76,9 @@ def start_kv_events(
     if settings is None:
         return None
     fmt = cast(Literal["int", "bytes"], settings.hash_format)
-    sink = KVEventSink(config.block_size, MEDIUM_GPU, fmt)
+    sink = KVEventSink(
+        config.block_size, MEDIUM_GPU, fmt, include_token_ids=settings.include_token_ids
+    )
     if connector is not None:
         connector.set_kv_event_sink(sink)
     publisher = ZmqEventPublisher(settings)

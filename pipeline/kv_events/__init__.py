@@ -11,7 +11,7 @@ The schema and wire format are described in :mod:`pipeline.kv_events.events` and
 subscriber is made.
 """
 
-from pipeline.kv_events.config import KVEventsConfig, kv_events_config
+from pipeline.kv_events.config import DEFAULT_ENDPOINT, KVEventsConfig, kv_events_config
 from pipeline.kv_events.events import (
     HASH_FORMATS,
     MEDIUM_CPU,
@@ -32,17 +32,39 @@ from pipeline.kv_events.events import (
 )
 from pipeline.kv_events.hashing import prompt_block_digests, prompt_block_hashes
 from pipeline.kv_events.index import KVBlockIndex
-from pipeline.kv_events.publisher import END_SEQ, BatchQueue, ZmqEventPublisher
+from pipeline.kv_events.publisher import (
+    END_SEQ,
+    MAX_REQUEST_BYTES,
+    REPLAY_RCVHWM,
+    REPLAYS_PER_WAKE,
+    BatchQueue,
+    ZmqEventPublisher,
+)
+from pipeline.kv_events.replay_limit import ReplayLimiter
 from pipeline.kv_events.sink import KVEventSink
-from pipeline.kv_events.subscriber import KVEventSubscriber, ReplayResult, SequencedBatch
+from pipeline.kv_events.subscriber import (
+    MAX_MESSAGE_BYTES,
+    MAX_REPLAY_BYTES,
+    RCVHWM,
+    KVEventSubscriber,
+    ReplayResult,
+    SequencedBatch,
+)
 
 __all__ = [
+    "DEFAULT_ENDPOINT",
     "END_SEQ",
     "HASH_FORMATS",
+    "MAX_MESSAGE_BYTES",
+    "MAX_REPLAY_BYTES",
+    "MAX_REQUEST_BYTES",
     "MEDIUM_CPU",
     "MEDIUM_DISK",
     "MEDIUM_GPU",
     "MEDIUM_REDIS",
+    "RCVHWM",
+    "REPLAYS_PER_WAKE",
+    "REPLAY_RCVHWM",
     "AllBlocksCleared",
     "BatchQueue",
     "BlockRemoved",
@@ -56,6 +78,7 @@ __all__ = [
     "KVEventSink",
     "KVEventSubscriber",
     "KVEventsConfig",
+    "ReplayLimiter",
     "ReplayResult",
     "SequencedBatch",
     "ZmqEventPublisher",

@@ -1,8 +1,17 @@
 """``KVEventsConfig``: where a replica publishes its KV cache events (off by default).
 
 ``EngineConfig(kv_events=...)`` takes a :class:`KVEventsConfig`, ``None`` (off), an
-endpoint string (``"tcp://*:5557"``: publish there, no replay socket) or a dict of the
-fields (what a JSON flag or the engine→worker wire gives back).
+endpoint string (``"tcp://127.0.0.1:5557"``: publish there, no replay socket) or a dict
+of the fields (what a JSON flag or the engine→worker wire gives back).
+
+**Topology.** The replica binds its sockets and subscribers connect: the PUB socket is
+bound to whatever ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME`` it is given
+(``tcp://127.0.0.1:5557`` by default: loopback only; a wildcard host ``*``, ``0.0.0.0``
+or ``[::]`` binds every interface, and only when asked), so the endpoint a replica's
+``/health`` advertises is one a router can connect to. vLLM binds only a wildcard and
+connects to any other address; its way of publishing into an external forwarder that
+binds (an XSUB/XPUB proxy) is kept as ``connect=True`` (``"connect": true``). The replay
+socket is always bound.
 """
 
 from __future__ import annotations
@@ -15,7 +24,10 @@ from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError
 from pipeline.kv_events.events import HASH_FORMATS
 
-__all__ = ["KVEventsConfig", "kv_events_config"]
+__all__ = ["DEFAULT_ENDPOINT", "KVEventsConfig", "kv_events_config"]
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+"""Where a replica publishes unless told otherwise: loopback, port 5557."""
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 _MAX_ENDPOINT = 1024
@@ -35,7 +47,8 @@ def _endpoint(inst: object, attribute: attrs.Attribute[Any], value: str | None) 
         or any(c.isspace() for c in value)
     ):
         allowed = (
-            "a ZeroMQ endpoint: tcp://HOST:PORT (tcp://*:PORT binds), ipc://PATH or inproc://NAME"
+            "a ZeroMQ endpoint: tcp://HOST:PORT (tcp://HOST:* picks a free port; "
+            "HOST * binds every interface), ipc://PATH or inproc://NAME"
         )
         if attribute.name == "replay_endpoint":
             allowed += ", or None (no replay socket)"
@@ -54,6 +67,11 @@ def _bounded(limit: int) -> Any:
     return check
 
 
+def _bool(inst: object, attribute: attrs.Attribute[Any], value: bool) -> None:
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"kv_events.{attribute.name}", value, "must be true or false")
+
+
 def _hash_format(inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not isinstance(value, str) or value not in HASH_FORMATS:
         raise InvalidConfigError(
@@ -66,11 +84,19 @@ class KVEventsConfig:
     """Where and how KV cache events are published (vLLM's ``KVEventsConfig`` fields).
 
     Attributes:
-        endpoint: The PUB socket. An endpoint with ``*`` (``tcp://*:5557``,
-            ``tcp://127.0.0.1:*`` for a free port), ``::``, ``ipc://`` or ``inproc://``
-            is bound; any other is connected to (a forwarder that binds), as vLLM does.
+        endpoint: The PUB socket, bound (see the module for the topology):
+            ``tcp://127.0.0.1:5557`` by default, ``tcp://127.0.0.1:*`` for a free port,
+            ``tcp://*:5557`` for every interface (explicitly only), ``ipc://PATH``.
         replay_endpoint: The ROUTER socket that serves recent batches again by sequence
-            number (always bound), or ``None`` for none.
+            number (always bound), or ``None`` for none. Requests are capped in size
+            and rate (see :mod:`pipeline.kv_events.publisher`).
+        connect: Connect the PUB socket to ``endpoint`` instead of binding it (an
+            external forwarder that binds, as vLLM connects to a non-wildcard
+            endpoint); the replica's ``/health`` then says ``"bound": false`` and a
+            router must be told where to subscribe.
+        include_token_ids: Put each stored block's token ids in ``BlockStored``
+            (``token_ids``); off by default: hashes are all a router needs, and token
+            ids are the users' prompts in clear.
         topic: The first frame of every published message; subscribers filter on it.
         buffer_steps: How many recent batches the replay socket can serve.
         max_queue_size: Batches waiting for the publisher thread; when full, the oldest
@@ -79,8 +105,10 @@ class KVEventsConfig:
             ``"bytes"`` (the 32-byte digest).
     """
 
-    endpoint: str = attrs.field(default="tcp://*:5557", validator=_endpoint)
+    endpoint: str = attrs.field(default=DEFAULT_ENDPOINT, validator=_endpoint)
     replay_endpoint: str | None = attrs.field(default=None, validator=_endpoint)
+    connect: bool = attrs.field(default=False, validator=_bool)
+    include_token_ids: bool = attrs.field(default=False, validator=_bool)
     topic: str = attrs.field(default="", validator=_topic)
     buffer_steps: int = attrs.field(default=10_000, validator=_bounded(MAX_BUFFER_STEPS))
     max_queue_size: int = attrs.field(default=100_000, validator=_bounded(MAX_QUEUE))

@@ -9,6 +9,10 @@ step's events keep the order in which they happened across tiers. The tiers call
 32-byte digests; the sink turns them into events in the wire's hash format, and
 :meth:`take` hands the step's events over.
 
+``BlockStored`` carries token ids only from a sink made with ``include_token_ids``
+(``KVEventsConfig.include_token_ids``): by default an event holds hashes, never the
+prompt's tokens.
+
 Plain synchronous code on the engine's thread (the scheduler's); not thread-safe.
 """
 
@@ -40,7 +44,7 @@ class KVEventSink:
             :meth:`for_medium`); a new one by default.
     """
 
-    __slots__ = ("_hash_format", "block_size", "events", "medium")
+    __slots__ = ("_hash_format", "block_size", "events", "include_token_ids", "medium")
 
     def __init__(
         self,
@@ -48,29 +52,39 @@ class KVEventSink:
         medium: str,
         hash_format: Literal["int", "bytes"] = "int",
         events: list[KVEvent] | None = None,
+        *,
+        include_token_ids: bool = False,
     ) -> None:
         self.block_size = block_size
         self.medium = medium
         self._hash_format: Literal["int", "bytes"] = hash_format
         self.events: list[KVEvent] = [] if events is None else events
+        self.include_token_ids = include_token_ids
 
     def for_medium(self, medium: str) -> KVEventSink:
-        """A sink for another tier (``medium``, same block size and hash format) that
-        appends to this sink's list: one :meth:`take` on either hands over both tiers'
-        events, in the order they happened."""
-        return KVEventSink(self.block_size, medium, self._hash_format, self.events)
+        """A sink for another tier (``medium``, same block size, hash format and
+        ``include_token_ids``) that appends to this sink's list: one :meth:`take` on
+        either hands over both tiers' events, in the order they happened."""
+        return KVEventSink(
+            self.block_size,
+            medium,
+            self._hash_format,
+            self.events,
+            include_token_ids=self.include_token_ids,
+        )
 
     def stored(
         self, digests: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int]
     ) -> None:
         """Blocks with these chained ``digests`` (a run in prefix order, after ``parent``)
-        and ``len(digests) * block_size`` ``token_ids`` entered the cache."""
+        and ``len(digests) * block_size`` ``token_ids`` entered the cache; the event
+        carries the tokens only when the sink was made with ``include_token_ids``."""
         fmt = self._hash_format
         self.events.append(
             BlockStored(
                 block_hashes=[external_block_hash(d, fmt) for d in digests],
                 parent_block_hash=None if parent is None else external_block_hash(parent, fmt),
-                token_ids=[int(t) for t in token_ids],
+                token_ids=[int(t) for t in token_ids] if self.include_token_ids else [],
                 block_size=self.block_size,
                 lora_id=None,
                 medium=self.medium,

@@ -6,11 +6,21 @@ missed sequence ranges. Hostile input is refused at the door: a message that is 
 ``[topic, 8-byte seq, payload]`` or whose payload is not a ``KVEventBatch`` is dropped
 (and counted), never applied.
 
-Blocking calls with explicit timeouts; one thread; not thread-safe.
+What a hostile publisher can make a subscriber hold is bounded: a frame larger than
+``max_message_bytes`` disconnects the publisher before it is read (``zmq.MAXMSGSIZE``;
+ZeroMQ reconnects), at most :data:`RCVHWM` messages wait per socket, and a replay keeps
+at most ``max_replay_bytes`` of payload (the oldest batches beyond it are dropped and
+reported as missed, so what is kept is the newest part, which never makes an index hold
+a block the replica removed) and ends within its ``timeout_s``, end marker or not.
+
+Blocking calls that return within their ``timeout_s`` (plus the decoding of one
+message); one thread; not thread-safe.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Any, NamedTuple
 
 import msgspec
@@ -18,9 +28,24 @@ import msgspec
 from pipeline.errors import TransportError
 from pipeline.kv_events.events import KVEventBatch, decode_batch
 from pipeline.kv_events.publisher import END_SEQ
-from pipeline.kv_events.zmq_support import import_zmq
+from pipeline.kv_events.zmq_support import import_zmq, is_ipv6
 
-__all__ = ["KVEventSubscriber", "ReplayResult", "SequencedBatch"]
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "MAX_REPLAY_BYTES",
+    "RCVHWM",
+    "KVEventSubscriber",
+    "ReplayResult",
+    "SequencedBatch",
+]
+
+MAX_MESSAGE_BYTES = 1 << 20
+"""The default cap of one frame (a batch's payload): one engine step's events are a few
+KiB to a few hundred (a prefill of 16,384 tokens with token ids is about 50 KiB)."""
+MAX_REPLAY_BYTES = 32 << 20
+"""The default cap of the payloads one replay keeps."""
+RCVHWM = 16
+"""Messages ZeroMQ keeps waiting per socket before it stops reading the publisher."""
 
 
 class SequencedBatch(NamedTuple):
@@ -52,6 +77,8 @@ class KVEventSubscriber:
         topic: The topic to subscribe to (``""``: every message).
         next_seq: The first sequence number expected; ``0`` for a subscriber that wants
             the whole history (a live batch numbered higher triggers a replay).
+        max_message_bytes: The largest frame accepted (see the module).
+        max_replay_bytes: The most payload bytes one replay keeps.
 
     Attributes:
         next_seq: The sequence number the next batch in order must have.
@@ -66,31 +93,43 @@ class KVEventSubscriber:
         *,
         topic: str = "",
         next_seq: int = 0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_replay_bytes: int = MAX_REPLAY_BYTES,
     ) -> None:
         zmq = import_zmq()
         self._zmq = zmq
+        self._max_message_bytes = max_message_bytes
+        self._max_replay_bytes = max_replay_bytes
         self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.connect(endpoint)
         self._replay: Any = None
-        if replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.DEALER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.connect(replay_endpoint)
+        try:
+            self._sub = self._socket(zmq.SUB, endpoint)
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            if replay_endpoint is not None:
+                self._replay = self._socket(zmq.DEALER, replay_endpoint)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
         self.next_seq = next_seq
         self.gaps: list[range] = []
         self.rejected = 0
 
+    def _socket(self, kind: int, endpoint: str) -> Any:
+        zmq = self._zmq
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        if is_ipv6(endpoint):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(endpoint)
+        return sock
+
     def close(self) -> None:
-        """Close both sockets and the context; idempotent."""
+        """Close both sockets and the context; idempotent; never waits on the peer."""
         if self._ctx.closed:
             return
-        self._sub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     def __enter__(self) -> KVEventSubscriber:
         return self
@@ -116,25 +155,38 @@ class KVEventSubscriber:
         return out
 
     def replay(self, start: int, timeout_s: float) -> ReplayResult:
-        """Ask the replay socket for every buffered batch from ``start`` on.
+        """Ask the replay socket for every buffered batch from ``start`` on; at most
+        ``max_replay_bytes`` of the newest are kept (the older ones count as missed).
 
         Raises:
-            TransportError: No replay endpoint, or no end marker within ``timeout_s``.
+            TransportError: No replay endpoint, or no end marker within ``timeout_s``
+                (in all, however fast the batches come).
         """
         if self._replay is None:
             raise TransportError("no replay endpoint to ask for missed KV event batches")
+        deadline = time.monotonic() + timeout_s
         self._replay.send_multipart((b"", start.to_bytes(8, "big")))
-        batches: list[SequencedBatch] = []
+        kept: deque[tuple[SequencedBatch, int]] = deque()
+        size = 0
+        dropped_to = start  # batches before this were dropped to stay within the cap
         while True:
-            if not self._replay.poll(int(timeout_s * 1000)):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._replay.poll(left_ms):
                 raise TransportError(f"KV event replay from {start} timed out after {timeout_s}s")
             frames = self._replay.recv_multipart()
             if len(frames) == 3 and frames[1] == END_SEQ:
                 break
             got = self._decode(frames)
-            if got is not None and got.seq >= start:
-                batches.append(got)
-        first = batches[0].seq if batches else start
+            if got is None or got.seq < max(start, dropped_to):
+                continue
+            kept.append((got, len(frames[2])))
+            size += len(frames[2])
+            while size > self._max_replay_bytes:
+                old, old_size = kept.popleft()
+                size -= old_size
+                dropped_to = old.seq + 1
+        batches = [item for item, _ in kept]
+        first = batches[0].seq if batches else dropped_to
         return ReplayResult(batches, range(start, max(start, first)))
 
     def catch_up(self, timeout_s: float) -> list[SequencedBatch]:

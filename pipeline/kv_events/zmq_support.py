@@ -1,5 +1,5 @@
 """What the publisher and the subscriber share about ZeroMQ: the optional import and
-vLLM's bind-or-connect rule."""
+whether an endpoint needs IPv6 on."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import ModuleType
 
 from pipeline.errors import InvalidConfigError
 
-__all__ = ["import_zmq", "should_bind"]
+__all__ = ["import_zmq", "is_ipv6"]
 
 
 def import_zmq() -> ModuleType:
@@ -25,12 +25,10 @@ def import_zmq() -> ModuleType:
     return zmq
 
 
-def should_bind(endpoint: str) -> bool:
-    """Whether a PUB ``endpoint`` is bound (``*``, ``::``, ``ipc://``, ``inproc://``) rather
-    than connected to, as vLLM decides."""
-    return (
-        "*" in endpoint
-        or "::" in endpoint
-        or endpoint.startswith("ipc://")
-        or endpoint.startswith("inproc://")
-    )
+def is_ipv6(endpoint: str) -> bool:
+    """Whether ``endpoint`` is a ``tcp://`` address with an IPv6 host (``tcp://[::]:5557``,
+    ``tcp://[::1]:5557``), which ZeroMQ binds or connects only with ``zmq.IPV6`` set."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rpartition(":")[0]
+    return ":" in host

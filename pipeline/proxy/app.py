@@ -15,10 +15,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pipeline.errors import InvalidConfigError
+from pipeline.proxy.event_watch import watch_forever
 from pipeline.proxy.health import poll_forever
 from pipeline.proxy.kv_aware import KVAwareRouter
 from pipeline.proxy.kv_follow import EventSource, follow
-from pipeline.proxy.metrics import ProxyMetrics
+from pipeline.proxy.metrics import BackendEvents, ProxyMetrics
 from pipeline.proxy.options import ProxyOptions
 from pipeline.proxy.pool import BackendPool
 from pipeline.proxy.routes import chat_completions, completions
@@ -67,7 +68,11 @@ class ProxyState:
         proxy = self.proxy
         timeout = httpx.Timeout(proxy.upstream_timeout_s, connect=proxy.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        key = proxy.backend_api_key  # every request and poll to a backend carries it
+        headers = {"authorization": f"Bearer {key}"} if key is not None else None
+        async with httpx.AsyncClient(
+            timeout=timeout, limits=limits, trust_env=False, headers=headers
+        ) as client:
             cap = proxy.max_response_bytes
             hops = [Hop(pool, client, self.metrics, cap) for pool in self.pools]
             self.decode = hops[-1]
@@ -84,7 +89,11 @@ class ProxyState:
                     for i, backend in enumerate(router.pool.backends):
                         given = EventSource(proxy.kv_events[i], None) if proxy.kv_events else None
                         wait = proxy.health_timeout_s
-                        group.start_soon(follow, router.index, backend, client, given, wait)
+                        group.start_soon(
+                            follow, router.index, backend, client, given, wait, router.watch
+                        )
+                    check_s = min(1.0, proxy.events_silent_s / 4)
+                    group.start_soon(watch_forever, router.watch, check_s)
                 try:
                     yield
                 finally:
@@ -127,6 +136,8 @@ def kv_aware_routers(
             load_weight=proxy.load_weight,
             max_blocks=proxy.max_index_blocks,
             metrics=metrics,
+            max_backend_blocks=proxy.max_backend_blocks,
+            silent_after_s=proxy.events_silent_s,
         )
         pool.chooser = router.choose
         routers.append(router)
@@ -163,7 +174,11 @@ def create_proxy_app(proxy: ProxyOptions, options: ServerOptions | None = None) 
 
 async def _health(request: Request) -> Response:
     state: ProxyState = request.app.state.kvstep
-    pools = {p.name: {"healthy": p.num_healthy, "total": len(p.backends)} for p in state.pools}
+    pools: dict[str, dict[str, int]] = {
+        p.name: {"healthy": p.num_healthy, "total": len(p.backends)} for p in state.pools
+    }
+    for router in state.routers:  # kv-aware: how many backends send no events
+        pools[router.pool.name]["kv_events_silent"] = len(router.watch.silent_backends())
     down = [p.name for p in state.pools if not p.num_healthy]
     if down:
         message = f"no healthy backend in pool {', '.join(down)}"
@@ -173,10 +188,15 @@ async def _health(request: Request) -> Response:
 
 async def _metrics(request: Request) -> Response:
     state: ProxyState = request.app.state.kvstep
-    indexed = {
-        url: router.index.num_blocks(url)
+    events = {
+        url: BackendEvents(
+            router.index.num_blocks(url),
+            router.watch.silent(url),
+            router.watch.last_event_age(url),
+            router.index.refused[url],
+        )
         for router in state.routers
         for url in (b.url for b in router.pool.backends)
     }
-    text = state.metrics.render(state.pools, indexed)
+    text = state.metrics.render(state.pools, events)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -30,6 +30,7 @@ import anyio.to_thread
 
 from pipeline.errors import InvalidRequestError
 from pipeline.kv_events import ExternalBlockHash, prompt_block_hashes
+from pipeline.proxy.event_watch import EventWatch
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.pool import Backend, BackendPool
 from pipeline.proxy.prefix_index import PrefixIndex
@@ -55,6 +56,12 @@ class KVAwareRouter:
         load_weight: Blocks of work one open request on a replica counts as.
         max_blocks: The index's bound on distinct block hashes.
         metrics: Where decisions are counted and timed.
+        max_backend_blocks: The index's bound on the hashes of one backend
+            (``max_blocks`` by default).
+        silent_after_s: When a backend counts as silent (:class:`EventWatch`).
+
+    Attributes:
+        watch: Which backends send events (:mod:`pipeline.proxy.event_watch`).
     """
 
     def __init__(
@@ -68,6 +75,8 @@ class KVAwareRouter:
         load_weight: float,
         max_blocks: int,
         metrics: ProxyMetrics,
+        max_backend_blocks: int | None = None,
+        silent_after_s: float = 30.0,
     ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
@@ -76,7 +85,9 @@ class KVAwareRouter:
         self.hash_format = hash_format
         self.load_weight = load_weight
         self.metrics = metrics
-        self.index = PrefixIndex([b.url for b in pool.backends], max_blocks=max_blocks)
+        urls = [b.url for b in pool.backends]
+        self.index = PrefixIndex(urls, max_blocks, max_backend_blocks)
+        self.watch = EventWatch(urls, silent_after_s)
         self.limiter = anyio.CapacityLimiter(2)
 
     def __repr__(self) -> str:  # the seed stays out (a secret of the replicas)
@@ -112,6 +123,7 @@ class KVAwareRouter:
             return total - depth.get(backend.url, 0) + self.load_weight * backend.in_flight
 
         chosen = min(candidates, key=cost)  # the first of ties: the pool's turn
+        self.watch.routed(chosen.url, total > depth.get(chosen.url, 0))
         metrics = self.metrics
         metrics.route_seconds.observe(time.perf_counter() - start)
         metrics.routed_blocks.labels(chosen.url).inc(total)

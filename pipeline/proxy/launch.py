@@ -85,6 +85,12 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
         help="kv-aware: the replicas' kv_events hash format (default: int)",
     )  # fmt: skip
     parser.add_argument(
+        "--backend-api-key", default=None, metavar="KEY",
+        help="the bearer key sent to the backends (default: $KVSTEP_BACKEND_API_KEY, else "
+        "none; prefer the variable, argv is visible to other users); the client's "
+        "Authorization is never passed on",
+    )  # fmt: skip
+    parser.add_argument(
         "--hash-seed", type=int, default=None,
         help="kv-aware: the replicas' hash_seed (default: $KVSTEP_HASH_SEED, else 0; prefer "
         "the variable, argv is visible to other users)",
@@ -99,6 +105,19 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
         ("--block-size", int, "block_size", "kv-aware: the replicas' block_size"),
         ("--load-weight", float, "load_weight", "kv-aware: blocks of work per open request"),
         ("--max-index-blocks", int, "max_index_blocks", "kv-aware: block hashes kept"),
+        (
+            "--max-backend-blocks",
+            int,
+            "max_backend_blocks",
+            "kv-aware: block hashes kept per backend",
+        ),
+        (
+            "--kv-events-silent-after",
+            float,
+            "events_silent_s",
+            "kv-aware: seconds without an event, after a request that should have stored "
+            "blocks, before a backend is reported silent",
+        ),
     )
     for flag, kind, field, text in flags:
         default = fields[field]
@@ -126,12 +145,22 @@ def proxy_options(args: argparse.Namespace) -> ProxyOptions:
         block_size=args.block_size,
         load_weight=args.load_weight,
         max_index_blocks=args.max_index_blocks,
+        max_backend_blocks=args.max_backend_blocks,
+        events_silent_s=args.kv_events_silent_after,
+        backend_api_key=_backend_api_key(args.backend_api_key),
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         connect_timeout_s=args.connect_timeout,
         upstream_timeout_s=args.upstream_timeout,
         max_response_bytes=args.max_response_bytes,
     )
+
+
+def _backend_api_key(given: str | None) -> str | None:
+    """``--backend-api-key``, else ``$KVSTEP_BACKEND_API_KEY``, else ``None``."""
+    if given is not None:
+        return given
+    return os.environ.get("KVSTEP_BACKEND_API_KEY", "").strip() or None
 
 
 def _hash_seed(given: int | None) -> int:

@@ -1,14 +1,32 @@
-"""Prometheus metrics of the proxy: requests per backend, upstream errors, healthy backends."""
+"""Prometheus metrics of the proxy: requests per backend, upstream errors, healthy backends,
+and for the kv-aware policy its decisions and each backend's KV events."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pipeline.proxy.pool import BackendPool
 
-__all__ = ["ProxyMetrics"]
+__all__ = ["BackendEvents", "ProxyMetrics"]
+
+
+class BackendEvents(NamedTuple):
+    """What the kv-aware policy knows of one backend's KV events, for the gauges.
+
+    Attributes:
+        indexed: Blocks its index holds for the backend.
+        silent: Whether the backend is silent (:mod:`pipeline.proxy.event_watch`).
+        age_s: Seconds since its last event batch (or since the proxy started).
+        refused: Hashes it announced past the index's per-backend bound.
+    """
+
+    indexed: int
+    silent: bool
+    age_s: float
+    refused: int
 
 
 class ProxyMetrics:
@@ -66,15 +84,47 @@ class ProxyMetrics:
             registry=reg,
         )
 
+        self.events_silent = Gauge(
+            "kvstep_proxy_backend_events_silent",
+            "1 while a kv-aware backend is silent: a request that should have stored blocks "
+            "went to it and no KV event came since, for --kv-events-silent-after seconds",
+            ["backend"],
+            registry=reg,
+        )
+        self.last_event_age = Gauge(
+            "kvstep_proxy_backend_last_event_age_seconds",
+            "Seconds since a kv-aware backend's last KV event batch (or since the proxy "
+            "started, when none came)",
+            ["backend"],
+            registry=reg,
+        )
+        self.refused_blocks = Gauge(
+            "kvstep_proxy_index_refused_blocks",
+            "Block hashes a backend announced past --max-backend-blocks (not indexed)",
+            ["backend"],
+            registry=reg,
+        )
+        self.transfer_params_dropped = Counter(
+            "kvstep_proxy_client_transfer_params_dropped",
+            "Client requests whose kv_transfer_params the proxy removed (only the proxy "
+            "and the engines set them)",
+            registry=reg,
+        )
+
     def render(
-        self, pools: tuple[BackendPool, ...], indexed: Mapping[str, int] | None = None
+        self,
+        pools: tuple[BackendPool, ...],
+        events: Mapping[str, BackendEvents] | None = None,
     ) -> bytes:
         """The Prometheus text exposition, after refreshing the gauges: healthy and
-        in-flight per backend, and ``indexed`` (blocks indexed per backend URL)."""
+        in-flight per backend, and the KV-event gauges of ``events`` (by backend URL)."""
         for pool in pools:
             self.healthy.labels(pool.name).set(pool.num_healthy)
             for backend in pool.backends:
                 self.in_flight.labels(pool.name, backend.url).set(backend.in_flight)
-        for url, blocks in (indexed or {}).items():
-            self.indexed_blocks.labels(url).set(blocks)
+        for url, known in (events or {}).items():
+            self.indexed_blocks.labels(url).set(known.indexed)
+            self.events_silent.labels(url).set(int(known.silent))
+            self.last_event_age.labels(url).set(known.age_s)
+            self.refused_blocks.labels(url).set(known.refused)
         return generate_latest(self.registry)

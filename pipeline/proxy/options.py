@@ -56,6 +56,22 @@ def _hash_format(instance: Any, attribute: attrs.Attribute[Any], value: object) 
         raise InvalidConfigError(attribute.name, value, "int | bytes")
 
 
+def _key(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > 512
+        or not value.isascii()
+        or not value.isprintable()
+        or " " in value
+    ):  # the value itself is never shown
+        raise InvalidConfigError(
+            attribute.name, "<hidden>", "must be 1 to 512 printable ASCII characters, no space"
+        )
+
+
 def _url_tuple(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return tuple(u.rstrip("/") if isinstance(u, str) else u for u in value)
@@ -96,6 +112,16 @@ class ProxyOptions:
         load_weight: Blocks of prefill work one request open on a replica counts as
             (kv-aware).
         max_index_blocks: The most block hashes the kv-aware index keeps.
+        max_backend_blocks: The most block hashes the index credits one backend with
+            (a real replica's cache holds fewer; past it a broken or hostile replica's
+            further announcements are not indexed, and a warning says so).
+        events_silent_s: Seconds after which a kv-aware backend that was sent a
+            request that should have stored blocks, and sent no KV event since, counts
+            as silent (one warning, ``kvstep_proxy_backend_events_silent``, ``/health``;
+            :mod:`pipeline.proxy.event_watch`).
+        backend_api_key: The bearer key sent to every backend (requests and ``/health``
+            polls), or ``None`` for none; the client's own ``Authorization`` is never
+            passed on. Never in a repr.
         kv_events: Event endpoints (``tcp://host:port``), one per ``backend`` in the
             same order, or ``()`` to read them from each backend's ``/health``.
         health_interval_s: Seconds between two polls of every backend's ``/health``.
@@ -118,6 +144,9 @@ class ProxyOptions:
     hash_format: str = attrs.field(default="int", validator=_hash_format)
     load_weight: float = attrs.field(default=8.0, validator=_weight)
     max_index_blocks: int = attrs.field(default=1 << 20, validator=_positive)
+    max_backend_blocks: int = attrs.field(default=1 << 18, validator=_positive)
+    events_silent_s: float = attrs.field(default=30.0, validator=_seconds)
+    backend_api_key: str | None = attrs.field(default=None, validator=_key, repr=False)
     kv_events: tuple[str, ...] = attrs.field(default=(), converter=_url_tuple)
     health_interval_s: float = attrs.field(default=5.0, validator=_seconds)
     health_timeout_s: float = attrs.field(default=2.0, validator=_seconds)

@@ -7,8 +7,12 @@ bit mask over the replicas' slots). Since a block's hash chains its whole prefix
 prompt is the run of the prompt's block hashes it holds from the first one on:
 :meth:`PrefixIndex.match` walks the prompt's hashes once, for all replicas at a time.
 
-Memory is bounded: past ``max_blocks`` hashes the oldest stored are forgotten (the index
-then under-estimates a hit, never invents one). Only the event loop's thread touches an
+Memory is bounded twice: a replica is credited with at most ``max_blocks_per_replica``
+hashes (past it, the further hashes it announces are not indexed and are counted in
+:attr:`PrefixIndex.refused`: a real replica's cache is smaller than the bound, so only a
+broken or hostile one reaches it, and then it cannot crowd the others out), and past
+``max_blocks`` hashes in all the oldest stored are forgotten. Either way the index then
+under-estimates a hit, never invents one. Only the event loop's thread touches an
 index; nothing here blocks, and a match costs one dict lookup per prompt block.
 """
 
@@ -29,20 +33,37 @@ class PrefixIndex:
     Args:
         replicas: The replicas' names (e.g. base URLs), each given a slot.
         max_blocks: The most distinct hashes kept.
+        max_blocks_per_replica: The most hashes one replica is credited with
+            (``None``: only ``max_blocks`` bounds them).
+
+    Attributes:
+        refused: Per replica, the hashes it announced past ``max_blocks_per_replica``.
+        forgotten: Hashes dropped to stay within ``max_blocks``.
 
     Raises:
-        InvalidConfigError: No replica, a name twice, or ``max_blocks`` below 1.
+        InvalidConfigError: No replica, a name twice, or a bound below 1.
     """
 
-    def __init__(self, replicas: Sequence[str], max_blocks: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        max_blocks: int = 1 << 20,
+        max_blocks_per_replica: int | None = None,
+    ) -> None:
         if not replicas or len(set(replicas)) != len(replicas):
             raise InvalidConfigError("replicas", tuple(replicas), "distinct names, at least one")
         self.max_blocks = check_int("max_blocks", max_blocks, InvalidConfigError, lo=1)
+        self.max_blocks_per_replica: int | None = None
+        if max_blocks_per_replica is not None:
+            self.max_blocks_per_replica = check_int(
+                "max_blocks_per_replica", max_blocks_per_replica, InvalidConfigError, lo=1
+            )
+        self.refused = dict.fromkeys(replicas, 0)
         self.replicas = tuple(replicas)
         self._bit = {name: 1 << slot for slot, name in enumerate(self.replicas)}
         self._held: dict[ExternalBlockHash, int] = {}  # hash -> mask of the replicas holding it
         self._counts = dict.fromkeys(self.replicas, 0)
-        self.forgotten = 0  # hashes dropped to stay within max_blocks
+        self.forgotten = 0
 
     def __len__(self) -> int:
         """Distinct hashes held by some replica."""
@@ -53,13 +74,18 @@ class PrefixIndex:
         return self._counts[replica]
 
     def stored(self, replica: str, hashes: Iterable[ExternalBlockHash]) -> None:
-        """``replica`` now holds each of ``hashes``."""
+        """``replica`` now holds each of ``hashes`` (those past its bound are refused)."""
         bit, held, counts = self._bit[replica], self._held, self._counts
+        cap = self.max_blocks_per_replica
         for block_hash in hashes:
-            mask = held.pop(block_hash, 0)  # re-inserted: the newest last
-            held[block_hash] = mask | bit
+            mask = held.get(block_hash, 0)
             if not mask & bit:
+                if cap is not None and counts[replica] >= cap:
+                    self.refused[replica] += 1
+                    continue
                 counts[replica] += 1
+            held.pop(block_hash, None)  # re-inserted: the newest last
+            held[block_hash] = mask | bit
         while len(held) > self.max_blocks:
             self._drop(next(iter(held)))
 

@@ -9,6 +9,14 @@ goes first to a producer (prefill) backend, as itself but for
 answer (``do_remote_prefill``, where the blocks are, ...) then go with the client's
 original body to a consumer (decode) backend, whose answer the client gets unchanged.
 A 4xx of either backend reaches the client as it is; a 5xx becomes a 502.
+
+The proxy is the trust boundary between clients and engines: a client's
+``kv_transfer_params`` are removed in every mode (a client never chooses which peer, or
+which blocks, an engine reads; counted in
+``kvstep_proxy_client_transfer_params_dropped_total``), its ``Authorization`` header is
+never passed on (the backends get the proxy's ``--backend-api-key``, set on the
+upstream client), and its ``X-Request-Id`` is (the proxy's own id when it sent none or an
+unusable one), so a request can be followed across the proxy's and the engines' logs.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ async def _route(request: Request, path: str) -> Response:
         return body
     if not isinstance(body, dict):
         raise InvalidRequestError("body", short_value(body), "must be a JSON object")
+    if body.pop("kv_transfer_params", None) is not None:  # only engines and the proxy set them
+        state.metrics.transfer_params_dropped.inc()
     rid = request_id(request)
     headers = _upstream_headers(request, rid)
     hashes = await state.prompt_hashes(path, body)
@@ -133,13 +143,11 @@ def _answer_headers(sent: Sent) -> dict[str, str]:
 
 
 def _upstream_headers(request: Request, rid: str) -> dict[str, str]:
-    """The client's ``Authorization`` and ``X-Request-Id`` (the proxy's id when it sent
-    none or an unusable one), a JSON body and no compression."""
+    """The client's ``X-Request-Id`` (the proxy's id when it sent none or an unusable
+    one), a JSON body and no compression; never the client's ``Authorization`` (the
+    upstream client adds the backends' key)."""
     headers = {"content-type": "application/json", "accept-encoding": "identity"}
     given = request.headers.get("x-request-id", "")
     usable = 0 < len(given) <= 128 and given.isascii() and given.isprintable()
     headers["x-request-id"] = given if usable else rid
-    auth = request.headers.get("authorization")
-    if auth is not None:
-        headers["authorization"] = auth
     return headers

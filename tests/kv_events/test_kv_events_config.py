@@ -24,7 +24,9 @@ class TestConfig:
     def test_an_endpoint_or_a_dict_becomes_a_config(self) -> None:
         """A string is the PUB endpoint; a dict gives the fields (as JSON and the worker
         wire do); the config survives the engine→worker wire unchanged."""
-        assert EngineConfig(kv_events="tcp://*:5557").kv_events == KVEventsConfig()
+        assert EngineConfig(kv_events="tcp://127.0.0.1:5557").kv_events == KVEventsConfig()
+        wildcard = KVEventsConfig(endpoint="tcp://*:5557")
+        assert EngineConfig(kv_events="tcp://*:5557").kv_events == wildcard
         config = EngineConfig(
             kv_events={"endpoint": "ipc:///tmp/e", "replay_endpoint": "ipc:///tmp/r", "topic": "t"}
         )

@@ -103,7 +103,7 @@ class TestSharedSinks:
     def test_tiers_share_one_list_in_order(self) -> None:
         """A sink made with for_medium appends to its parent's list: one take hands over
         both tiers' events, in the order they happened, and empties both."""
-        device = KVEventSink(BLOCK, MEDIUM_GPU)
+        device = KVEventSink(BLOCK, MEDIUM_GPU, include_token_ids=True)  # tokens asserted
         host = device.for_medium(MEDIUM_CPU)
         device.removed(_digest(1))
         host.removed(_digest(2))  # another medium: not merged into the GPU removal

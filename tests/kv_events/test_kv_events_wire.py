@@ -128,7 +128,8 @@ class TestRouterHashing:
 class TestPoolEvents:
     def _pool(self, num_blocks: int = 4) -> tuple[BlockPool, KVEventSink]:
         pool = BlockPool(num_blocks)
-        sink = KVEventSink(block_size=2, medium="GPU", hash_format="bytes")
+        # token ids are in the events only on request (include_token_ids), as asked here
+        sink = KVEventSink(block_size=2, medium="GPU", hash_format="bytes", include_token_ids=True)
         pool.kv_events = sink
         return pool, sink
 

@@ -29,7 +29,13 @@ class Cluster:
     """Two producers, two consumers and the proxy in front of them."""
 
     def __init__(
-        self, serve: Servers, *, interval: float = 0.1, cap: int = 1 << 20, **kw: Any
+        self,
+        serve: Servers,
+        *,
+        interval: float = 0.1,
+        cap: int = 1 << 20,
+        backend_api_key: str | None = None,
+        **kw: Any,
     ) -> None:
         self.producers = [Fake("p0"), Fake("p1")]
         self.consumers = [Fake("d0"), Fake("d1")]
@@ -42,6 +48,7 @@ class Cluster:
             connect_timeout_s=1.0,
             upstream_timeout_s=10.0,
             max_response_bytes=cap,
+            backend_api_key=backend_api_key,
         )
         self.proxy = serve(create_proxy_app(proxy, ServerOptions(**kw)))
         self.client = httpx.Client(base_url=self.proxy.url, timeout=10)
@@ -110,14 +117,15 @@ class TestTwoHop:
         assert decode["stream"] is True and decode["max_tokens"] == 7
 
     def test_headers_are_propagated(self, serve: Servers):
-        """Authorization and X-Request-Id reach both hops; the proxy's own key is checked."""
-        cluster = Cluster(serve, api_key="sekrit")
+        """X-Request-Id reaches both hops; the proxy's own key is checked and never
+        passed on: the backends get the proxy's backend key instead."""
+        cluster = Cluster(serve, api_key="sekrit", backend_api_key="backend-key")
         assert cluster.post(BODY).status_code == 401
         headers = {"Authorization": "Bearer sekrit", "X-Request-Id": "abc-1"}
         assert cluster.post(BODY, headers=headers).status_code == 200
         for fake in cluster.producers + cluster.consumers:
             for seen in fake.headers:
-                assert seen["authorization"] == "Bearer sekrit"
+                assert seen["authorization"] == "Bearer backend-key"
                 assert seen["x-request-id"] == "abc-1"
 
 
