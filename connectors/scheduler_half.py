@@ -43,6 +43,19 @@ class KVConnectorScheduler(abc.ABC):
     def __init__(self, context: ConnectorContext) -> None:
         self.context = context
 
+    def check_request(self, request: Request) -> None:  # noqa: B027
+        """Refuse a request the connector will not serve, before it is queued.
+
+        Called once per request when the engine admits it (``EngineCore.add_request``),
+        before the scheduler sees it: what raises here reaches the caller at once (an
+        HTTP 400), and nothing of the request was scheduled. For checks of what comes
+        from outside (``kv_transfer_params``). Engine process, event loop; synchronous,
+        must not block. The default accepts every request.
+
+        Raises:
+            InvalidRequestError: The request is refused; the message names the field.
+        """
+
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
         """Tokens beyond ``num_computed_tokens`` (the local prefix hit) the connector can load.

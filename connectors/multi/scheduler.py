@@ -112,6 +112,11 @@ class MultiScheduler(KVConnectorScheduler):
 
     # ------------------------------------------------------------------ admission
 
+    def check_request(self, request: Request) -> None:
+        """Every tier's check (the first refusal is raised)."""
+        for tier in self.tiers:
+            tier.check_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
         """The longest hit over the tiers (ties: the fastest); ``None`` while any tier
         cannot tell yet. A tier that raises counts as a miss."""

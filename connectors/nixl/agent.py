@@ -33,11 +33,17 @@ from pipeline.errors import InvalidConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NOTIF_PREFIX", "KVAgent", "ReadHandle"]
+__all__ = ["NOTIF_PREFIX", "KVAgent", "ReadHandle", "notification"]
 
-NOTIF_PREFIX = b"kvstep-nixl/1 done "
-"""A consumer's notification to the producer: this prefix, then the producer's request id."""
+NOTIF_PREFIX = b"kvstep-nixl/2 done "
+"""A consumer's notification to the producer: this prefix, then the producer's request
+id, a space and the request's ticket (:func:`notification`)."""
 _MAX_NOTIF_BYTES = 512
+
+
+def notification(request_id: str, ticket: str) -> bytes:
+    """The notification that tells a producer its request ``request_id`` was read."""
+    return NOTIF_PREFIX + f"{request_id} {ticket}".encode()
 
 
 @attrs.define(eq=False)
@@ -250,21 +256,23 @@ class KVAgent:
         with contextlib.suppress(Exception):
             handle.xfer.release()
 
-    def take_notifications(self) -> list[str]:
-        """Request ids named by peers' notifications since the last call.
+    def take_notifications(self) -> list[tuple[str, str]]:
+        """``(request id, ticket)`` of each peer notification since the last call.
 
-        A notification that is too long, lacks :data:`NOTIF_PREFIX` or is not UTF-8 is
-        dropped (hostile input).
+        A notification that is too long, lacks :data:`NOTIF_PREFIX` or a ticket, or is
+        not UTF-8 is dropped (hostile input).
         """
-        out: list[str] = []
+        out: list[tuple[str, str]] = []
         for messages in self._agent.get_new_notifs().values():
             for msg in messages:
                 if len(msg) > _MAX_NOTIF_BYTES or not msg.startswith(NOTIF_PREFIX):
                     continue
                 try:
-                    out.append(msg[len(NOTIF_PREFIX) :].decode("utf-8"))
+                    req_id, sep, ticket = msg[len(NOTIF_PREFIX) :].decode("utf-8").rpartition(" ")
                 except UnicodeDecodeError:
                     continue
+                if sep and req_id and ticket:
+                    out.append((req_id, ticket))
         return out
 
     def close(self) -> None:

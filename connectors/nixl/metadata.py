@@ -11,7 +11,7 @@ import attrs
 
 from connectors.base import KVConnectorMetadata
 
-__all__ = ["NixlMetadata", "RemoteRead"]
+__all__ = ["HeldSend", "NixlMetadata", "RemoteRead"]
 
 
 class RemoteRead(NamedTuple):
@@ -30,6 +30,9 @@ class RemoteRead(NamedTuple):
             producer of another model, block size or TP size), or ``""``: a refused
             read never contacts the producer, and its local blocks are reported as
             load errors, so the request recomputes or fails per ``load_failure_policy``.
+        ticket: The producer's ticket for the blocks (checked by the consumer's
+            scheduler when the request was admitted): the worker claims the blocks with
+            it before reading, and names it in the notification that frees them.
     """
 
     req_id: str
@@ -40,6 +43,22 @@ class RemoteRead(NamedTuple):
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     refused: str = ""
+    ticket: str = ""
+
+
+class HeldSend(NamedTuple):
+    """A finished prefill a producer rank now holds for its consumer.
+
+    Attributes:
+        req_id: The producer's request.
+        ticket: The ticket its answer carried: a claim or notification under another
+            one is refused.
+        block_ids: Its blocks, the only ones a claim may name.
+    """
+
+    req_id: str
+    ticket: str
+    block_ids: tuple[int, ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -59,6 +78,6 @@ class NixlMetadata(KVConnectorMetadata):
     """
 
     reads: tuple[RemoteRead, ...] = ()
-    sends: tuple[str, ...] = ()
+    sends: tuple[HeldSend, ...] = ()
     cancels: tuple[str, ...] = ()
     resent: bool = False

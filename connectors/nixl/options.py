@@ -12,17 +12,26 @@ Options (``EngineConfig.connector_options``)::
     handshake_timeout_s  bound on a peer's handshake (default 5)
     read_timeout_s       bound on one request's READ (default 30)
     lease_s              how long a producer holds a finished prefill's blocks for
-                         a consumer that never reads (default 60)
+                         a consumer that never reads (default 60); also how long
+                         its ticket is valid
+    transfer_key_env     the environment variable holding the key producers and
+                         consumers share (default: this user's key file;
+                         :mod:`connectors.nixl.transfer_key`)
+    peers                the producers a consumer may read from: a list of
+                         "host:port" side-channel addresses (rank 0's); default
+                         ``None``: any producer on this host (a loopback address)
 """
 
 from __future__ import annotations
 
+import ipaddress
 import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
 
+from connectors.nixl.transfer_key import TransferKey
 from pipeline.checks import check_float, check_int
 from pipeline.errors import InvalidConfigError, InvalidRequestError
 
@@ -36,6 +45,8 @@ NIXL_OPTIONS = (
     "handshake_timeout_s",
     "read_timeout_s",
     "lease_s",
+    "transfer_key_env",
+    "peers",
 )
 """Every option the nixl connector accepts."""
 
@@ -63,6 +74,29 @@ class NixlOptions:
     handshake_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
     lease_s: float = 60.0
+    transfer_key_env: str | None = None
+    peers: frozenset[tuple[str, int]] | None = None
+
+    def allows(self, host: str, port: int) -> str:
+        """Why a consumer must not connect to the producer at ``host:port``, or ``""``."""
+        if self.peers is None:
+            if _loopback(host):
+                return ""
+            return f"{host}:{port} is not on this host; list remote producers in 'peers'"
+        if (host, port) in self.peers:
+            return ""
+        return f"{host}:{port} is not one of the configured peers"
+
+    def transfer_key(self) -> TransferKey:
+        """The key the side channel and the tickets are signed with.
+
+        Raises:
+            InvalidConfigError: The variable is unset or too short, or the key file
+                cannot be used.
+        """
+        if self.transfer_key_env is not None:
+            return TransferKey.from_env("transfer_key_env", self.transfer_key_env)
+        return TransferKey.default()
 
     @property
     def produces(self) -> bool:
@@ -120,7 +154,45 @@ class NixlOptions:
             handshake_timeout_s=seconds("handshake_timeout_s", 5.0),
             read_timeout_s=seconds("read_timeout_s", 30.0),
             lease_s=seconds("lease_s", 60.0),
+            transfer_key_env=_key_env(options.get("transfer_key_env")),
+            peers=_peers(options.get("peers")),
         )
+
+
+def _key_env(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.isidentifier():
+        raise InvalidConfigError(
+            "connector_options['transfer_key_env']", value, "the name of an environment variable"
+        )
+    return value
+
+
+def _peers(value: object) -> frozenset[tuple[str, int]] | None:
+    """``["host:port", ...]`` (or a comma-separated string) as a set of addresses."""
+    if value is None:
+        return None
+    field = "connector_options['peers']"
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not 0 < len(items) <= 1024:
+        raise InvalidConfigError(field, value, 'a list of "host:port" (1..1024 of them)')
+    out = set()
+    for item in items:
+        host, sep, port = item.strip().rpartition(":") if isinstance(item, str) else ("", "", "")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidConfigError(field, item, 'a "host:port" side-channel address')
+        out.add((_name(field, host.strip("[]"), InvalidConfigError), int(port)))
+    return frozenset(out)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _block_ids(field: str, value: object) -> tuple[int, ...]:
@@ -148,6 +220,8 @@ class RemotePrefill:
     fingerprint: str
     block_size: int
     tp_size: int
+    ticket: str
+    expires_at: float
 
     @classmethod
     def parse(cls, params: Mapping[str, Any] | None) -> RemotePrefill | None:
@@ -184,5 +258,9 @@ class RemotePrefill:
             ),
             tp_size=check_int(
                 f"{p}['tp_size']", field("tp_size"), InvalidRequestError, lo=1, hi=1 << 16
+            ),
+            ticket=_name(f"{p}['ticket']", field("ticket"), InvalidRequestError),
+            expires_at=check_float(
+                f"{p}['expires_at']", field("expires_at"), InvalidRequestError, lo=0.0, hi=1e12
             ),
         )

@@ -22,6 +22,7 @@ import attrs
 from connectors.nixl.errors import HandshakeError, NixlError
 from connectors.nixl.handshake import PeerInfo, fetch_peer_info
 from connectors.nixl.metadata import RemoteRead
+from connectors.nixl.transfer_key import TransferKey
 
 __all__ = ["MAX_HANDSHAKES", "PeerHandshakes", "Resolved"]
 
@@ -60,10 +61,14 @@ class PeerHandshakes:
 
     Args:
         timeout_s: Bound on one handshake (``handshake_timeout_s``).
+        key: The transfer key the handshakes are signed with.
+        sender: This engine's id (the peer logs it).
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, key: TransferKey, sender: str) -> None:
         self.timeout_s = timeout_s
+        self.key = key
+        self.sender = sender
         self._pending: dict[str, _Pending] = {}
         self._stop = threading.Event()
 
@@ -101,7 +106,9 @@ class PeerHandshakes:
 
     def _fetch(self, future: Future[PeerInfo], host: str, port: int) -> None:
         try:
-            info = fetch_peer_info(host, port, self.timeout_s, self._stop)
+            info = fetch_peer_info(
+                host, port, self.timeout_s, self._stop, key=self.key, sender=self.sender
+            )
         except HandshakeError as exc:
             future.set_exception(exc)
         except Exception as exc:  # never lose a waiting read to an unexpected error

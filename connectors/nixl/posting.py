@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from connectors.nixl.agent import NOTIF_PREFIX, KVAgent, ReadHandle
+from connectors.nixl.agent import KVAgent, ReadHandle, notification
 from connectors.nixl.errors import NixlError
 from connectors.nixl.metadata import RemoteRead
 
@@ -23,6 +23,9 @@ __all__ = ["Posted", "ReadPoster"]
 #: A posted read and what came of it: its handle, ``None`` (a notification only, no
 #: block to read) or the error that refused it.
 Posted = tuple[RemoteRead, ReadHandle | NixlError | None]
+#: Claims a read's blocks from its producer before they are read (raises
+#: :class:`NixlError` when the producer refuses): :func:`connectors.nixl.handshake.claim_blocks`.
+Claim = Callable[[RemoteRead], None]
 
 
 class ReadPoster:
@@ -62,13 +65,14 @@ class ReadPoster:
         self._job, self._job_ids = None, frozenset()
         return job.result()
 
-    def submit(self, agent: KVAgent, timeout_s: float) -> None:
-        """Hand the queued reads to the agent thread, unless a job is still running."""
+    def submit(self, agent: KVAgent, timeout_s: float, claim: Claim) -> None:
+        """Hand the queued reads to the agent thread, unless a job is still running;
+        each read's blocks are claimed (``claim``) right before it is posted."""
         if self.busy or self._job is not None or not self._waiting:
             return
         specs, self._waiting = list(self._waiting.values()), {}
         self._job_ids = frozenset(s.req_id for s in specs)
-        self._job = self._executor.submit(_post_all, agent, specs, timeout_s)
+        self._job = self._executor.submit(_post_all, agent, specs, timeout_s, claim)
 
     def close(self) -> Callable[[], None]:
         """Stop taking jobs; returns what waits for the running one (call it off the
@@ -77,16 +81,19 @@ class ReadPoster:
         return lambda: self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _post_all(agent: KVAgent, specs: list[RemoteRead], timeout_s: float) -> list[Posted]:
-    """The job: post each read (or only notify the producer: no block to read)."""
+def _post_all(
+    agent: KVAgent, specs: list[RemoteRead], timeout_s: float, claim: Claim
+) -> list[Posted]:
+    """The job: claim and post each read (or only notify the producer: no block to read)."""
     out: list[Posted] = []
     for spec in specs:
-        notif = NOTIF_PREFIX + spec.remote_request_id.encode()
+        notif = notification(spec.remote_request_id, spec.ticket)
         try:
             if not spec.local_block_ids:
                 agent.notify(spec.engine_id, notif)
                 out.append((spec, None))
                 continue
+            claim(spec)
             handle = agent.start_read(
                 spec.engine_id, spec.remote_block_ids, spec.local_block_ids, notif, timeout_s
             )

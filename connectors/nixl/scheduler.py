@@ -18,6 +18,7 @@ blocks are reported as load errors, and the request recomputes or fails alone pe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +33,10 @@ from connectors.base import (
     RequestFinishedResult,
 )
 from connectors.nixl.errors import PeerMismatchError
-from connectors.nixl.metadata import NixlMetadata, RemoteRead
+from connectors.nixl.metadata import HeldSend, NixlMetadata, RemoteRead
 from connectors.nixl.options import NixlOptions, RemotePrefill
-from pipeline.errors import InvalidConfigError
+from connectors.nixl.tickets import EXPIRED, Ticket, check_ticket, issue_ticket, prompt_digest
+from pipeline.errors import InvalidConfigError, InvalidRequestError
 from pipeline.logs import get_logger
 from pipeline.request import RequestStatus
 from pipeline.transfer_params import MAX_TRANSFER_ENTRIES
@@ -81,17 +83,54 @@ class NixlScheduler(KVConnectorScheduler):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.options = NixlOptions.from_options(context.options, context.engine_id)
+        self.key = self.options.transfer_key()
         self.fingerprint = model_key(context)
         self.block_size = context.block_size
         self.tp_size = context.world_size
         self._matches: dict[str, _Match] = {}
         self._reads: list[RemoteRead] = []
-        self._sends: list[str] = []
+        self._sends: list[HeldSend] = []
+        # checked remote prefills (consumer), and why their read is refused ("": it is not)
+        self._admitted: dict[str, tuple[RemotePrefill, str]] = {}
         self._cancels: list[str] = []
         self.loading: set[str] = set()  # reads in flight (consumer)
         self.loaded: set[str] = set()  # reads done: never read again (consumer)
         self.held: set[str] = set()  # blocks held for a consumer, or until a read is over
         self._unacked: NixlMetadata | None = None  # built, its step's output not yet back
+
+    def check_request(self, request: Request) -> None:
+        """A consumer admits a remote prefill only under a valid ticket from a
+        producer it may connect to (see :mod:`connectors.nixl.tickets`).
+
+        Raises:
+            InvalidRequestError: Malformed ``do_remote_prefill`` params; a producer that
+                is not one of ``peers`` (by default: not on this host); a ticket that
+                does not sign these params and this prompt. (A genuine ticket that has
+                expired is no attack: its read is refused, and the request recomputes
+                or fails alone per ``load_failure_policy``.)
+        """
+        if not self.options.consumes:
+            return
+        remote = RemotePrefill.parse(request.kv_transfer_params)
+        if remote is None:
+            return
+        field = "kv_transfer_params"
+        refused = self.options.allows(remote.host, remote.port)
+        if refused:
+            raise InvalidRequestError(f"{field}['remote_host']", remote.host, refused)
+        ticket = Ticket(
+            engine_id=remote.engine_id,
+            host=remote.host,
+            port=remote.port,
+            request_id=remote.request_id,
+            block_ids=remote.block_ids,
+            prompt_digest=prompt_digest(request.prompt_token_ids),
+            expires_at=remote.expires_at,
+        )
+        refused = check_ticket(self.key, ticket, remote.ticket)
+        if refused and refused != EXPIRED:
+            raise InvalidRequestError(f"{field}['ticket']", "<hidden>", refused)
+        self._admitted[request.request_id] = (remote, refused)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
         """A remote prefill's whole blocks past the local hit, but the last prompt
@@ -104,10 +143,13 @@ class NixlScheduler(KVConnectorScheduler):
         self._matches.pop(req_id, None)
         if not self.options.consumes or req_id in self.loaded or req_id in self.loading:
             return MatchResult(0, False)
-        remote = RemotePrefill.parse(request.kv_transfer_params)
-        if remote is None:
+        if req_id not in self._admitted:  # a request admitted around the engine's door
+            self.check_request(request)
+        admitted = self._admitted.get(req_id)
+        if admitted is None:
             return MatchResult(0, False)
-        refused = self._mismatch(remote)
+        remote, refused = admitted
+        refused = refused or self._mismatch(remote)
         bs = self.block_size
         start = num_computed_tokens // bs
         end = min((request.num_prompt_tokens - 1) // bs, len(remote.block_ids))
@@ -152,6 +194,7 @@ class NixlScheduler(KVConnectorScheduler):
                 remote.block_ids[blocks],
                 tuple(block_ids[blocks]),
                 match.refused,
+                remote.ticket,
             )
         )
         if count:
@@ -168,7 +211,7 @@ class NixlScheduler(KVConnectorScheduler):
         if prev is not None:
             reading = self.loading | self.loaded
             reads = [r for r in prev.reads if r.req_id in reading] + reads
-            sends = [s for s in prev.sends if s in self.held] + sends
+            sends = [s for s in prev.sends if s.req_id in self.held] + sends
             cancels = [c for c in prev.cancels if c in self.held] + cancels
         meta = NixlMetadata(
             reads=tuple(reads), sends=tuple(sends), cancels=tuple(cancels), resent=prev is not None
@@ -182,6 +225,7 @@ class NixlScheduler(KVConnectorScheduler):
         request's blocks while its read is still writing into them (consumer)."""
         req_id = request.request_id
         self._matches.pop(req_id, None)
+        self._admitted.pop(req_id, None)
         self.loaded.discard(req_id)
         if req_id in self.loading:
             self.loading.discard(req_id)
@@ -204,19 +248,33 @@ class NixlScheduler(KVConnectorScheduler):
                 limit=_MAX_ANSWER_BLOCKS,
             )
             return RequestFinishedResult()
+        held = tuple(block_ids[:num_blocks])
+        opts = self.options
+        fields = Ticket(
+            engine_id=opts.engine_id,
+            host=opts.host,
+            port=opts.port,
+            request_id=req_id,
+            block_ids=held,
+            prompt_digest=prompt_digest(request.prompt_token_ids),
+            expires_at=round(time.time() + opts.lease_s, 3),
+        )
+        ticket = issue_ticket(self.key, fields)
         self.held.add(req_id)
-        self._sends.append(req_id)
+        self._sends.append(HeldSend(req_id, ticket, held))
         answer: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine_id": self.options.engine_id,
-            "remote_host": self.options.host,
-            "remote_port": self.options.port,
+            "remote_engine_id": opts.engine_id,
+            "remote_host": opts.host,
+            "remote_port": opts.port,
             "remote_request_id": req_id,
-            "remote_block_ids": list(block_ids[:num_blocks]),
+            "remote_block_ids": list(held),
             "fingerprint": self.fingerprint,
             "block_size": self.block_size,
             "tp_size": self.tp_size,
+            "ticket": ticket,
+            "expires_at": fields.expires_at,
         }
         return RequestFinishedResult(delay_free=True, kv_transfer_params=answer)
 

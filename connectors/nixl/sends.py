@@ -18,6 +18,7 @@ Both kept sets are capped, so a flood of notifications costs bounded memory.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterable
 
 from pipeline.logs import get_logger
@@ -39,7 +40,9 @@ class HeldSends:
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
         self._held: dict[str, float] = {}  # req id -> lease deadline
+        self._tickets: dict[str, str] = {}  # held req id -> its ticket
         self._early: dict[str, float] = {}  # notified before held -> when
+        self._early_tickets: dict[str, str] = {}  # ... and under which ticket
         self._released: dict[str, float] = {}  # released -> when
 
     def __len__(self) -> int:
@@ -49,30 +52,41 @@ class HeldSends:
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._held
 
-    def hold(self, req_id: str, now: float, *, again: bool = False) -> None:
-        """Hold ``req_id``'s blocks until a notification names it or ``lease_s`` ends.
-        ``again``: the scheduler sent this hold once more (a step's output was lost): a
-        send held or released already is left as it is."""
+    def hold(self, req_id: str, now: float, ticket: str = "", *, again: bool = False) -> bool:
+        """Hold ``req_id``'s blocks until a notification names it under ``ticket`` or
+        ``lease_s`` ends; whether it is held now. ``again``: the scheduler sent this hold
+        once more (a step's output was lost): a send held or released already is left
+        as it is."""
         if again and (req_id in self._held or req_id in self._released):
-            return
+            return False
         self._held[req_id] = now + self.lease_s
+        self._tickets[req_id] = ticket
+        return True
 
-    def take_released(self, notified: Iterable[str], now: float) -> list[str]:
-        """Apply the notifications that arrived since the previous call and the leases
-        that ran out by ``now``; the sends released, each once in this holder's life
-        (until its id is held again)."""
-        for req_id in notified:
+    def take_released(self, notified: Iterable[tuple[str, str]], now: float) -> list[str]:
+        """Apply the notifications ``(request id, ticket)`` that arrived since the
+        previous call and the leases that ran out by ``now``; the sends released, each
+        once in this holder's life (until its id is held again). A notification under
+        another ticket than the send's frees nothing (it is dropped, and logged)."""
+        for req_id, ticket in notified:
             if req_id in self._held or req_id not in self._released:
                 self._early[req_id] = now
+                self._early_tickets[req_id] = ticket
             else:
                 log.debug("nixl notification for a released send dropped", req_id=req_id)
-        out = [r for r in self._early if r in self._held]
+        out = []
+        for req_id in [r for r in self._early if r in self._held]:
+            if hmac.compare_digest(self._early_tickets.pop(req_id, ""), self._tickets[req_id]):
+                out.append(req_id)
+            else:
+                log.warning("nixl notification under a wrong ticket dropped", req_id=req_id)
+            del self._early[req_id]
         for req_id in out:
-            del self._early[req_id], self._held[req_id]
+            del self._held[req_id], self._tickets[req_id]
         for req_id, deadline in list(self._held.items()):
             if now > deadline:
                 log.warning("nixl send lease expired; blocks freed", req_id=req_id)
-                del self._held[req_id]
+                del self._held[req_id], self._tickets[req_id]
                 out.append(req_id)
         for req_id in out:
             self._released.pop(req_id, None)  # re-insert: the dict stays in time order
@@ -84,4 +98,7 @@ class HeldSends:
                 newest = list(kept.items())[-_MAX_KEPT:]
                 kept.clear()
                 kept.update(newest)
+        if len(self._early_tickets) != len(self._early):  # pruned above
+            for req_id in [r for r in self._early_tickets if r not in self._early]:
+                del self._early_tickets[req_id]
         return out

@@ -32,6 +32,7 @@ have nothing to wait for).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -49,13 +50,14 @@ from connectors.base import (
 )
 from connectors.nixl.agent import KVAgent, ReadHandle
 from connectors.nixl.errors import NixlError
-from connectors.nixl.handshake import HandshakeServer
+from connectors.nixl.handshake import HandshakeServer, claim_blocks
 from connectors.nixl.metadata import NixlMetadata, RemoteRead
 from connectors.nixl.options import NixlOptions
 from connectors.nixl.peers import PeerHandshakes, Resolved
 from connectors.nixl.posting import ReadPoster
 from connectors.nixl.scheduler import model_key
 from connectors.nixl.sends import HeldSends
+from connectors.nixl.tickets import ClaimBook
 from pipeline.logs import get_logger
 
 __all__ = ["NixlWorker"]
@@ -80,6 +82,7 @@ class NixlWorker(KVConnectorWorker):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.options = NixlOptions.from_options(context.options, context.engine_id)
+        self.key = self.options.transfer_key()
         self.fingerprint = model_key(context)
         self.agent: KVAgent | None = None
         self.server: HandshakeServer | None = None
@@ -89,8 +92,12 @@ class NixlWorker(KVConnectorWorker):
         opts = self.options  # a read is over within these: forget it after
         self._seen_for_s = opts.lease_s + opts.handshake_timeout_s + opts.read_timeout_s
         self.sends = HeldSends(self.options.lease_s)  # producer: held for consumers
+        self.book = ClaimBook()  # ... and their tickets, for the side channel's claims
         self.poster = ReadPoster()  # reads of admitted peers, posted off the loop
-        self.peers = PeerHandshakes(self.options.handshake_timeout_s)
+        self.peers = PeerHandshakes(
+            self.options.handshake_timeout_s, self.key, self.options.engine_id
+        )
+        self._stopping = threading.Event()  # ends a claim in flight at close
         self._cancelled: set[str] = set()  # reads to report in sending once over
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
@@ -118,7 +125,9 @@ class NixlWorker(KVConnectorWorker):
         )
         if self.options.produces:
             port = self.options.port + ctx.rank
-            self.server = HandshakeServer(self.agent.info, self.options.host, port)
+            self.server = HandshakeServer(
+                self.agent.info, self.options.host, port, self.key, self.book
+            )
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         """Bind; hold the step's sends, queue its reads, note its cancels, all at once:
@@ -128,8 +137,9 @@ class NixlWorker(KVConnectorWorker):
         if not isinstance(metadata, NixlMetadata):
             return
         now = time.monotonic()
-        for req_id in metadata.sends:
-            self.sends.hold(req_id, now, again=metadata.resent)
+        for send in metadata.sends:
+            if self.sends.hold(send.req_id, now, send.ticket, again=metadata.resent):
+                self.book.hold(send.req_id, send.ticket, send.block_ids)
         for spec in metadata.reads:
             if spec.req_id not in self._seen:  # else resent: this rank has or had it
                 self._seen[spec.req_id] = now
@@ -206,7 +216,26 @@ class NixlWorker(KVConnectorWorker):
                 self._refuse(spec, result)
             elif result is not None:
                 self._reads[spec.req_id] = _Read(spec, result)
-        self.poster.submit(self.agent, self.options.read_timeout_s)
+        self.poster.submit(self.agent, self.options.read_timeout_s, self._claim)
+
+    def _claim(self, spec: RemoteRead) -> None:
+        """Claim ``spec``'s blocks from the producer's same rank (on the poster's
+        thread, right before the read is posted).
+
+        Raises:
+            HandshakeError: The producer refused (its ticket check) or did not answer.
+        """
+        claim_blocks(
+            spec.host,
+            spec.port + self.context.rank,
+            key=self.key,
+            sender=self.options.engine_id,
+            request_id=spec.remote_request_id,
+            ticket=spec.ticket,
+            block_ids=spec.remote_block_ids,
+            timeout_s=self.options.handshake_timeout_s,
+            stop=self._stopping,
+        )
 
     def _refuse(self, spec: RemoteRead, exc: NixlError) -> None:
         if spec.local_block_ids:
@@ -247,7 +276,10 @@ class NixlWorker(KVConnectorWorker):
                 self._count_load(read.spec)
                 self._finish_read(req_id)
         notified = agent.take_notifications()
-        self._done_sending.update(self.sends.take_released(notified, time.monotonic()))
+        released = self.sends.take_released(notified, time.monotonic())
+        for req_id in released:
+            self.book.release(req_id)  # its blocks are freed: nothing more to claim
+        self._done_sending.update(released)
         self._pump()  # the peers admitted above
 
     async def get_finished(self, finished_req_ids: frozenset[str]) -> WorkerFinished:
@@ -303,6 +335,7 @@ class NixlWorker(KVConnectorWorker):
         if self._closed:
             return
         self._closed = True
+        self._stopping.set()
         try:
             self.peers.close()
             await anyio.to_thread.run_sync(self.poster.close())

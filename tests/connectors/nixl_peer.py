@@ -16,6 +16,10 @@ import torch
 
 from connectors.nixl.agent import KVAgent
 from connectors.nixl.handshake import HandshakeServer
+from connectors.nixl.transfer_key import TransferKey
+
+TEST_KEY = TransferKey(b"kvstep nixl transport tests key!", "test")
+"""The transfer key of the transport tests (both sides of a test share it)."""
 
 SHAPE = (2, 8, 4, 2, 8)  # [2, num_blocks, block_size, kv_heads, head_dim]
 
@@ -42,7 +46,7 @@ def main() -> None:
         tp_size=1,
         kv_caches=caches,
     )
-    server = HandshakeServer(agent.info, "127.0.0.1", 0)
+    server = HandshakeServer(agent.info, "127.0.0.1", 0, TEST_KEY)
     print(f"PORT {server.port}", flush=True)
     while True:
         time.sleep(1)

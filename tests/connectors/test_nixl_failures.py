@@ -30,6 +30,7 @@ pytest.importorskip("nixl_cu12")
 pytest.importorskip("zmq")
 
 from nixl_peer import SHAPE, filled_cache
+from nixl_tickets import signed
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.nixl import NixlMetadata, NixlWorker, RemoteRead, peers
@@ -316,14 +317,14 @@ class TestHeldSends:
         """The second notification of a released send releases nothing."""
         sends = HeldSends(lease_s=10.0)
         sends.hold("a", 0.0)
-        assert sends.take_released(["a", "a"], 1.0) == ["a"]
-        assert sends.take_released(["a"], 2.0) == []
+        assert sends.take_released([("a", ""), ("a", "")], 1.0) == ["a"]
+        assert sends.take_released([("a", "")], 2.0) == []
         assert len(sends) == 0
 
     def test_an_early_notification_releases_the_send_once_held(self) -> None:
         """The consumer read before this rank held the send: released when held."""
         sends = HeldSends(lease_s=10.0)
-        assert sends.take_released(["a"], 0.0) == []
+        assert sends.take_released([("a", "")], 0.0) == []
         sends.hold("a", 0.5)
         assert sends.take_released([], 1.0) == ["a"]
 
@@ -333,25 +334,36 @@ class TestHeldSends:
         sends = HeldSends(lease_s=1.0)
         sends.hold("a", 0.0)
         assert sends.take_released([], 1.5) == ["a"]  # the lease ran out
-        assert sends.take_released(["a"], 1.6) == []  # the late one
+        assert sends.take_released([("a", "")], 1.6) == []  # the late one
         sends.hold("a", 1.7)
         assert sends.take_released([], 1.8) == []  # still held
-        assert sends.take_released(["a"], 1.9) == ["a"]  # its own notification
+        assert sends.take_released([("a", "")], 1.9) == ["a"]  # its own notification
 
     def test_an_unknown_notification_is_forgotten_after_the_lease(self) -> None:
         """Nothing is released; the early entry goes after lease_s, so a send held
         later is not released by it."""
         sends = HeldSends(lease_s=1.0)
-        assert sends.take_released(["ghost"], 0.0) == []
+        assert sends.take_released([("ghost", "")], 0.0) == []
         assert sends.take_released([], 2.0) == []
         sends.hold("ghost", 2.0)
         assert sends.take_released([], 2.5) == []
         assert "ghost" in sends
 
+    def test_a_notification_under_another_ticket_frees_nothing(self) -> None:
+        """Audit H3: a notification naming a held request under a forged ticket (early
+        or not) releases nothing; the request's own ticket does."""
+        sends = HeldSends(lease_s=10.0)
+        assert sends.take_released([("a", "forged")], 0.0) == []  # early, wrong
+        sends.hold("a", 0.5, "good")
+        assert sends.take_released([], 1.0) == []
+        assert sends.take_released([("a", "forged")], 1.5) == []
+        assert "a" in sends
+        assert sends.take_released([("a", "good")], 2.0) == ["a"]
+
     def test_a_flood_of_notifications_is_capped(self) -> None:
         """Unknown ids cost bounded memory."""
         sends = HeldSends(lease_s=100.0)
-        assert sends.take_released((str(i) for i in range(20_000)), 0.0) == []
+        assert sends.take_released(((str(i), "") for i in range(20_000)), 0.0) == []
         assert len(sends._early) <= 4096
 
 
@@ -472,7 +484,9 @@ class TestMismatch:
             assert fingerprint is not None
             key = attrs.evolve(fingerprint, tp_rank=0).key()
             (params,) = prefill(lapsing_producer, prompts()[:1])
-            lying = {**params, "fingerprint": key}
+            # A producer holding the transfer key that lies about its model: its ticket
+            # signs the lie (a client's edit of honest params is refused at the door).
+            lying = signed({**params, "fingerprint": key}, prompts()[0])
             outs = consumer.generate(prompts()[:2], PARAMS, kv_transfer_params=[lying, None])
             reference = references["bfloat16", 16]
             if policy == "recompute":
@@ -555,7 +569,7 @@ class TestHandshakeOffTheStep:
             async with AsyncEngine(cfg) as engine:
                 fp = engine.core.fingerprint
                 assert fp is not None
-                params = {
+                params = {  # a producer with the key that never answers (signed below)
                     "do_remote_prefill": True,
                     "remote_engine_id": "silent",
                     "remote_host": "127.0.0.1",
@@ -567,6 +581,7 @@ class TestHandshakeOffTheStep:
                     "tp_size": 1,
                 }
                 batch = prompts()
+                params = signed(params, batch[0])
                 waiting = [
                     engine.generate(batch[0], PARAMS, request_id=r, kv_transfer_params=params)
                     for r in ("w1", "w2")
