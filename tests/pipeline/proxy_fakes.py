@@ -30,6 +30,7 @@ class Fake:
         self.healthy = True
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.health_auth: list[str | None] = []  # the Authorization of each /health poll
         self.stream_closed = threading.Event()
         self.app = Starlette(
             routes=[
@@ -40,6 +41,7 @@ class Fake:
         )
 
     async def _health(self, request: Request) -> Response:
+        self.health_auth.append(request.headers.get("authorization"))
         return JSONResponse({"ok": self.healthy}, status_code=200 if self.healthy else 503)
 
     async def _complete(self, request: Request) -> Response:
@@ -54,7 +56,11 @@ class Fake:
         answer: dict[str, Any] = {"id": self.name, "choices": [{"text": "x"}]}
         if self.mode == "huge":
             answer["padding"] = "x" * 4096
-        answer["kv_transfer_params"] = {"do_remote_prefill": True, "remote_engine_id": self.name}
+        if self.mode != "bare":  # "bare": a producer that answers no kv_transfer_params
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "remote_engine_id": self.name,
+            }
         return JSONResponse(answer)
 
     async def _events(self) -> AsyncIterator[bytes]:
