@@ -42,8 +42,9 @@ __all__ = [
 MAX_MESSAGE_BYTES = 1 << 20
 """The default cap of one frame (a batch's payload): one engine step's events are a few
 KiB to a few hundred (a prefill of 16,384 tokens with token ids is about 50 KiB)."""
-MAX_REPLAY_BYTES = 32 << 20
-"""The default cap of the payloads one replay keeps."""
+MAX_REPLAY_BYTES = 8 << 20
+"""The default cap of the payloads one replay keeps (decoded, a hash takes about five
+times its bytes on the wire)."""
 RCVHWM = 16
 """Messages ZeroMQ keeps waiting per socket before it stops reading the publisher."""
 
