@@ -16,7 +16,8 @@ Which method runs where (stage of the engine or worker graph, process, thread)::
                                   request            wait_for_save             once, async
     engine loop, between steps:                    finished stage (event loop):
       has_pending_work            per decision       get_finished              once, async
-                                                     get_block_ids_with_load_errors, get_kv_stats
+                                                     get_block_ids_with_load_errors,
+                                                     get_load_failures, get_kv_stats
                                                    clear finalizer (always, event loop):
                                                      clear_connector_metadata  once
                                                    worker start / shutdown:

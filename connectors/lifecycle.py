@@ -31,6 +31,8 @@ from pipeline.errors import ConnectorLifecycleError
 if TYPE_CHECKING:
     import torch
 
+    from pipeline.artifacts import LoadFailures
+
 __all__ = ["ALLOWED_PREVIOUS", "GuardedWorker", "make_worker"]
 
 # One small int per call; the guard's state is the last state-changing call.
@@ -48,6 +50,7 @@ _CALLS = (
     "aclose",
     "get_block_ids_with_load_errors",
     "get_kv_stats",
+    "get_load_failures",
     "(layer hooks)",  # state only: inside the layer hooks; ``_hook`` says which
 )
 (
@@ -64,6 +67,7 @@ _CALLS = (
     _ACLOSE,
     _LOAD_ERRORS,
     _KV_STATS,
+    _LOAD_FAILURES,
     _LAYERS,
 ) = range(len(_CALLS))
 
@@ -85,6 +89,7 @@ _PREVIOUS: dict[int, frozenset[int]] = {
     _ACLOSE: _IDLE | {_ACLOSE},
     _LOAD_ERRORS: _AFTER_LOAD,
     _KV_STATS: _AFTER_LOAD,
+    _LOAD_FAILURES: _AFTER_LOAD,
 }
 _PREVIOUS[_WAIT_LAYER] = _PREVIOUS[_SAVE_LAYER] = _PREVIOUS[_LAYERS]
 
@@ -105,8 +110,8 @@ ALLOWED_PREVIOUS: Mapping[str, frozenset[str]] = MappingProxyType(
 )
 """For each worker-side call, the calls it may directly follow (``"(none)"``: nothing yet).
 
-The two queries (``get_block_ids_with_load_errors``, ``get_kv_stats``) do not change the
-state, so they never count as a previous call themselves.
+The three queries (``get_block_ids_with_load_errors``, ``get_load_failures``,
+``get_kv_stats``) do not change the state, so they never count as a previous call themselves.
 """
 
 
@@ -270,6 +275,12 @@ class GuardedWorker(KVConnectorWorker):
         if not _OK[_KV_STATS][self._last]:
             raise self._refusal(_KV_STATS, self._last)
         return self._inner.get_kv_stats()
+
+    def get_load_failures(self) -> LoadFailures | None:
+        """Query, allowed from ``start_load_kv`` until the clear; does not change state."""
+        if not _OK[_LOAD_FAILURES][self._last]:
+            raise self._refusal(_LOAD_FAILURES, self._last)
+        return self._inner.get_load_failures()
 
     def clear_connector_metadata(self) -> None:
         """Forward exactly once per step, from any point after ``begin_step``.

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     import torch
 
+    from pipeline.artifacts import LoadFailures
+
 
 from connectors.types import (
     ConnectorContext,
@@ -223,6 +225,22 @@ class KVConnectorWorker(abc.ABC):  # noqa: B024
             block (or fails the request, by policy). Empty by default.
         """
         return frozenset()
+
+    def get_load_failures(self) -> LoadFailures | None:
+        """Why the blocks of this step's :meth:`get_block_ids_with_load_errors` failed.
+
+        Called by the ``finished`` stage once per step on every rank, right after
+        :meth:`get_block_ids_with_load_errors`. Rank's event loop; synchronous, must not
+        block; a query that does not advance the lifecycle. The engine counts the
+        failures by cause (``kvstep_kv_load_failures_total{connector,cause}``) and logs
+        the first of each cause; a block named under no cause counts as ``unknown``.
+
+        Returns:
+            A :class:`~pipeline.artifacts.LoadFailures` naming the cause of the blocks
+            this step reported (each block under one cause), or ``None`` (the default):
+            the connector cannot tell, every block is ``unknown``.
+        """
+        return None
 
     def get_kv_stats(self) -> tuple[int, int, int, int]:
         """``(loaded_tokens, loaded_bytes, saved_tokens, saved_bytes)`` of this step.

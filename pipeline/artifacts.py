@@ -8,6 +8,8 @@ values that msgspec encodes without pickle.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -201,6 +203,85 @@ class KVStats:
         )
 
 
+class LoadFailureCause(enum.StrEnum):
+    """Why a block's KV failed to load, as far as its connector can tell.
+
+    ``handshake``: the peer could not be reached or did not answer the handshake;
+    ``peer_mismatch``: the peer's KV is another model's or layout's (never read);
+    ``refused``: the peer (or this engine's checks) refused the transfer;
+    ``read_error``: the read failed (transport or I/O error, peer gone mid-read);
+    ``read_timeout``: the read did not complete within its deadline;
+    ``missing``: the store no longer holds the value;
+    ``corrupt``: the stored value failed verification (header, checksum, signature);
+    ``unknown``: the connector reported the block without a cause.
+    """
+
+    HANDSHAKE = "handshake"
+    PEER_MISMATCH = "peer_mismatch"
+    REFUSED = "refused"
+    READ_ERROR = "read_error"
+    READ_TIMEOUT = "read_timeout"
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+    UNKNOWN = "unknown"
+
+
+def _block_sets(
+    value: Mapping[LoadFailureCause, Iterable[int]],
+) -> dict[LoadFailureCause, frozenset[int]]:
+    return {LoadFailureCause(cause): frozenset(blocks) for cause, blocks in value.items() if blocks}
+
+
+@attrs.frozen(kw_only=True)
+class LoadFailures:
+    """Why the blocks of ``get_block_ids_with_load_errors`` failed to load: the cause of
+    each (``KVConnectorWorker.get_load_failures``), merged over ranks by fan-in.
+
+    A block named under no cause has cause ``unknown``; a block named under several (two
+    ranks that failed it differently) counts under the first in
+    :class:`LoadFailureCause`'s order.
+
+    Attributes:
+        blocks: Cause → block ids of the paged cache (no empty entry).
+    """
+
+    blocks: Mapping[LoadFailureCause, frozenset[int]] = attrs.field(
+        factory=dict, converter=_block_sets
+    )
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+    def merge(self, other: LoadFailures) -> LoadFailures:
+        """Two ranks' (or two calls') causes: the union per cause. Associative and
+        commutative, so fan-in's merge stays order-free."""
+        if not other.blocks:
+            return self
+        if not self.blocks:
+            return other
+        causes = self.blocks.keys() | other.blocks.keys()
+        empty: frozenset[int] = frozenset()
+        return LoadFailures(
+            blocks={c: self.blocks.get(c, empty) | other.blocks.get(c, empty) for c in causes}
+        )
+
+    def cause_of(self, block_id: int) -> LoadFailureCause:
+        """The cause of ``block_id`` (``unknown`` when no cause names it)."""
+        for cause in LoadFailureCause:
+            if block_id in self.blocks.get(cause, ()):
+                return cause
+        return LoadFailureCause.UNKNOWN
+
+    def count(self, invalid: Iterable[int]) -> dict[LoadFailureCause, int]:
+        """Blocks of ``invalid`` (the step's load errors) per cause, each counted once;
+        no entry for a cause with none."""
+        counts: dict[LoadFailureCause, int] = {}
+        for block_id in invalid:
+            cause = self.cause_of(block_id)
+            counts[cause] = counts.get(cause, 0) + 1
+        return counts
+
+
 @attrs.frozen(kw_only=True)
 class SaveResult:
     """Marker + data: ``wait_for_save`` returned on this rank."""
@@ -223,6 +304,8 @@ class WorkerOutput:
         request_errors: Requests that failed alone on this rank this step (a row that
             could not be sampled), with why; the engine ends each with ``"error"``.
         stats: Connector traffic of this step on this rank.
+        load_failures: Why the blocks of ``invalid_block_ids`` failed (those the
+            connector named a cause for).
         logprobs: Logprob of each sampled token whose request asked (driver only).
         prompt_logprobs: Logprobs of each request's prompt targets this step
             (``SampledTokens.prompt_logprobs``; driver only).
@@ -237,6 +320,7 @@ class WorkerOutput:
     failed_save_req_ids: frozenset[str] = frozenset()
     request_errors: dict[str, str] = attrs.field(factory=dict)
     stats: KVStats = attrs.field(factory=KVStats)
+    load_failures: LoadFailures = attrs.field(factory=LoadFailures)
     logprobs: dict[str, TokenLogprob] = attrs.field(factory=dict)
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
 
@@ -278,6 +362,7 @@ class FanInOutput:
             executor before the step was sent), with why (union; the lowest rank's
             reason when several ranks name a request).
         stats: Connector traffic of this step, merged over ranks (bytes summed, tokens once).
+        load_failures: Why the blocks of ``invalid_block_ids`` failed (union per cause).
         num_ranks: How many ranks' outputs were merged.
         logprobs: Logprobs of the sampled tokens (from the driver rank 0).
         prompt_logprobs: Logprobs of the prompt targets (from the driver rank 0).
@@ -294,6 +379,7 @@ class FanInOutput:
     failed_save_req_ids: frozenset[str] = frozenset()
     request_errors: dict[str, str] = attrs.field(factory=dict)
     stats: KVStats = attrs.field(factory=KVStats)
+    load_failures: LoadFailures = attrs.field(factory=LoadFailures)
     num_ranks: int = 1
     logprobs: dict[str, TokenLogprob] = attrs.field(factory=dict)
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)

@@ -1,9 +1,9 @@
 """The fan-in aggregator: merges one step's ``WorkerOutput`` of every rank.
 
 Merging is associative and order-free: sampled tokens, their logprobs and prompt
-logprobs come from the driver rank (0), load-error block ids, failed saves and
-per-request errors are unioned, stats are merged (bytes summed, tokens counted once:
-every rank moves the same tokens). A request's ``finished_sending`` /
+logprobs come from the driver rank (0), load-error block ids (and their causes, per
+cause), failed saves and per-request errors are unioned, stats are merged (bytes
+summed, tokens counted once: every rank moves the same tokens). A request's ``finished_sending`` /
 ``finished_recving`` is released to the scheduler only once **every** rank has reported
 it, possibly in different steps. Unlike vLLM's ``KVOutputAggregator``, which counts
 occurrences, the aggregator keeps the *set* of ranks per request, so a rank reporting
@@ -25,7 +25,7 @@ from typing import Literal
 
 import attrs
 
-from pipeline.artifacts import FanInOutput, KVStats, WorkerOutput
+from pipeline.artifacts import FanInOutput, KVStats, LoadFailures, WorkerOutput
 from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError, StageError
 from pipeline.logs import get_logger
@@ -122,6 +122,7 @@ class FanInAggregator:
         failed_saves: set[str] = set()
         errors: dict[str, tuple[int, str]] = {}
         stats = KVStats()
+        failures = LoadFailures()
         count = 0
         for out in outputs:
             self._check_rank(step_id, out.rank)
@@ -135,6 +136,7 @@ class FanInAggregator:
                 if req_id not in errors or out.rank < errors[req_id][0]:
                     errors[req_id] = (out.rank, reason)
             stats = stats.merge(out.stats)
+            failures = failures.merge(out.load_failures)
             self._absorb(out, step_id, now)
         finished = {kind: self._release_ready(kind) for kind in _KINDS}
         missing: dict[str, tuple[int, ...]] = {}
@@ -152,6 +154,7 @@ class FanInAggregator:
             failed_save_req_ids=frozenset(failed_saves),
             request_errors={req_id: reason for req_id, (_, reason) in errors.items()},
             stats=stats,
+            load_failures=failures,
             num_ranks=count,
             logprobs={} if driver is None else dict(driver.logprobs),
             prompt_logprobs={} if driver is None else dict(driver.prompt_logprobs),

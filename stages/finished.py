@@ -9,6 +9,7 @@ import attrs
 from connectors.base import KVConnectorWorker
 from pipeline.artifacts import (
     KVStats,
+    LoadFailures,
     LoadStarted,
     SampledTokens,
     SaveResult,
@@ -36,7 +37,8 @@ class _Reports:
 
 @attrs.frozen
 class FinishedStage:
-    """Asks the connector which transfers finished and which blocks failed to load.
+    """Asks the connector which transfers finished and which blocks failed to load (and
+    why: ``get_load_failures``, asked only when some block failed).
 
     ``get_finished`` hands its reports over once; when a query after it (the stats, the
     load errors) fails the step, the reports are kept and go out with the next step
@@ -74,6 +76,7 @@ class FinishedStage:
         pending.recving.update(finished.recving)
         loaded_tokens, loaded_bytes, saved_tokens, saved_bytes = self.connector.get_kv_stats()
         invalid = frozenset(self.connector.get_block_ids_with_load_errors())
+        failures = self.connector.get_load_failures() if invalid else None
         sending, recving = pending.take()
         return WorkerOutput(
             rank=self.rank,
@@ -92,4 +95,5 @@ class FinishedStage:
                 saved_tokens=saved_tokens,
                 saved_bytes=saved_bytes,
             ),
+            load_failures=failures or LoadFailures(),
         )

@@ -45,6 +45,8 @@ from pipeline.logs import get_logger
 if TYPE_CHECKING:
     import torch
 
+    from pipeline.artifacts import LoadFailures
+
 __all__ = ["MultiWorker"]
 
 log = get_logger()
@@ -197,6 +199,19 @@ class MultiWorker(KVConnectorWorker):
                 self._failed("get_block_ids_with_load_errors", i, exc)
         with self._lock:
             return frozenset(errors | self._load_errors)
+
+    def get_load_failures(self) -> LoadFailures | None:
+        """The active tiers' causes, merged (a failed tier's blocks stay ``unknown``)."""
+        merged: LoadFailures | None = None
+        for i in self._active:
+            try:
+                failures = self.tiers[i].get_load_failures()
+            except Exception as exc:
+                self._failed("get_load_failures", i, exc)
+                continue
+            if failures is not None:
+                merged = failures if merged is None else merged.merge(failures)
+        return merged
 
     def get_kv_stats(self) -> tuple[int, int, int, int]:
         """The active tiers' stats, summed."""

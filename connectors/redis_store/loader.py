@@ -27,6 +27,7 @@ from connectors.framing import decode_block
 from connectors.integrity import FrameSigner
 from connectors.redis_store.metadata import BlockTransfer
 from connectors.redis_store.store import RateLimitedLog, RedisStore
+from pipeline.artifacts import LoadFailureCause, LoadFailures
 from pipeline.errors import FrameError
 from pipeline.logs import get_logger
 
@@ -67,6 +68,7 @@ class RedisLoadJob:
         self._lock = threading.Lock()
         self._cancelled = False
         self._failed: set[int] = set()
+        self._causes: dict[int, LoadFailureCause] = {}  # a failed block's first cause
 
     @property
     def block_ids(self) -> frozenset[int]:
@@ -79,13 +81,32 @@ class RedisLoadJob:
         with self._lock:
             return frozenset(self._failed)
 
+    @property
+    def failures(self) -> LoadFailures:
+        """The cause of each failed block: ``missing`` (no value), ``corrupt`` (it
+        failed verification), ``read_timeout`` (the server did not answer in time, or
+        the forward pass stopped waiting), ``read_error`` (the server is down or
+        failed), ``unknown`` (the job itself failed)."""
+        with self._lock:
+            blocks: dict[LoadFailureCause, set[int]] = {}
+            for block_id in self._failed:
+                cause = self._causes.get(block_id, LoadFailureCause.UNKNOWN)
+                blocks.setdefault(cause, set()).add(block_id)
+        return LoadFailures(blocks=blocks)
+
+    def _mark(self, block_ids: frozenset[int] | set[int], cause: LoadFailureCause) -> None:
+        """Fail ``block_ids`` under ``cause`` (their first); under the lock."""
+        self._failed |= block_ids
+        for block_id in block_ids:
+            self._causes.setdefault(block_id, cause)
+
     def cancel(self, *, fail: bool) -> None:
         """Stop copying (returns once no copy is in progress); with ``fail``, mark every
         block failed. Never blocks for longer than one layer's copy; idempotent."""
         with self._lock:
             self._cancelled = True
             if fail and not self.done.is_set():
-                self._failed |= self.block_ids
+                self._mark(self.block_ids, LoadFailureCause.READ_TIMEOUT)
 
     def wait_layer(self, layer: int) -> bool:
         """Block until ``layer`` is in the paged cache or the deadline passes."""
@@ -112,14 +133,16 @@ class RedisLoadJob:
             values = store.get_many(self.keys)
         except redis.RedisError as exc:
             warn.warning("redis: load failed", blocks=len(self.keys), error=repr(exc))
+            timed_out = isinstance(exc, redis.TimeoutError)
+            cause = LoadFailureCause.READ_TIMEOUT if timed_out else LoadFailureCause.READ_ERROR
             with self._lock:
-                self._failed |= self.block_ids
+                self._mark(self.block_ids, cause)
             return
         first = self.kv_caches[0]
         shape, dtype = tuple(first[:, 0].shape), first.dtype
         ok_ids: list[int] = []
         blocks: list[list[torch.Tensor]] = []
-        bad: set[int] = set()
+        bad: dict[int, LoadFailureCause] = {}
         for load, value, frame_key in zip(self.loads, values, self.frame_keys, strict=True):
             try:
                 if value is None:
@@ -134,12 +157,16 @@ class RedisLoadJob:
                 )
             except FrameError as exc:
                 warn.warning("redis: bad value, load error", block_id=load.block_id, error=str(exc))
-                bad.add(load.block_id)
+                missing = value is None
+                bad[load.block_id] = (
+                    LoadFailureCause.MISSING if missing else LoadFailureCause.CORRUPT
+                )
                 continue
             ok_ids.append(load.block_id)
             blocks.append(layers)
         with self._lock:
-            self._failed |= bad
+            for block_id, cause in bad.items():
+                self._mark({block_id}, cause)
         if not ok_ids:
             return
         index = torch.tensor(ok_ids, dtype=torch.long, device=first.device)

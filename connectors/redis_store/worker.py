@@ -130,6 +130,7 @@ class RedisWorker(StoreWorker):
             return
         failed = job.failed_blocks
         step.load_errors |= failed
+        step.load_failures = step.load_failures.merge(job.failures)
         step.loaded_blocks = len(job.loads) - len(failed)
         self._count(loaded_blocks=step.loaded_blocks, load_errors=len(failed))
 

@@ -26,6 +26,7 @@ from connectors.framing import iter_layers
 from connectors.integrity import FrameSigner
 from connectors.shared_storage.metadata import BlockRef
 from connectors.shared_storage.store import DiskStore
+from pipeline.artifacts import LoadFailureCause, LoadFailures
 from pipeline.errors import FrameError, InvalidConfigError
 from pipeline.logs import get_logger
 
@@ -98,6 +99,7 @@ class StoreLoad:
         self._lock = threading.Lock()
         self._abandoned = False
         self._failed: set[int] = set()
+        self._causes: dict[int, LoadFailureCause] = {}  # a failed block's first cause
         self._thread = threading.Thread(target=self._run, name="kvstep-shared-load", daemon=True)
 
     def start(self) -> None:
@@ -115,6 +117,7 @@ class StoreLoad:
         with self._lock:
             self._abandoned = True
             self._failed |= {ref.block_id for ref in self.refs}
+            self._cause_rest(LoadFailureCause.READ_TIMEOUT)
         for event in self.layer_done:
             event.set()
 
@@ -130,9 +133,32 @@ class StoreLoad:
         with self._lock:
             return frozenset(self._failed)
 
+    @property
+    def failures(self) -> LoadFailures:
+        """The cause of each failed block: ``missing`` (no such value), ``corrupt`` (it
+        failed verification), ``read_error`` (unreadable), ``read_timeout`` (not
+        loaded by the step's deadline), ``unknown`` (the reader itself failed)."""
+        with self._lock:
+            blocks: dict[LoadFailureCause, set[int]] = {}
+            for block_id, cause in self._causes.items():
+                blocks.setdefault(cause, set()).add(block_id)
+        return LoadFailures(blocks=blocks)
+
+    def _cause_rest(self, cause: LoadFailureCause) -> None:
+        """Give ``cause`` to the failed blocks without one (under the lock)."""
+        for block_id in self._failed:
+            self._causes.setdefault(block_id, cause)
+
     def _fail(self, ref: BlockRef, exc: BaseException) -> None:
+        if isinstance(exc, FileNotFoundError):
+            cause = LoadFailureCause.MISSING
+        elif isinstance(exc, OSError):
+            cause = LoadFailureCause.READ_ERROR
+        else:  # FrameError, a wrong shape or dtype (InvalidConfigError), a short value
+            cause = LoadFailureCause.CORRUPT
         with self._lock:
             self._failed.add(ref.block_id)
+            self._causes.setdefault(ref.block_id, cause)
         level = log.info if isinstance(exc, FileNotFoundError) else log.warning
         level(
             "shared_storage: block load failed",
@@ -149,6 +175,7 @@ class StoreLoad:
             log.error("shared_storage: loader failed", error=repr(exc))
             with self._lock:
                 self._failed |= {ref.block_id for ref in self.refs}
+                self._cause_rest(LoadFailureCause.UNKNOWN)
         finally:
             for event in self.layer_done:
                 event.set()

@@ -136,6 +136,7 @@ class SharedStorageWorker(StoreWorker):
         failed = load.failed_blocks
         with self._lock:
             step.load_errors |= failed
+            step.load_failures = step.load_failures.merge(load.failures)
             step.loaded_blocks = len(load.refs) - len(failed)
             step.save_failed |= {step.load_req[b] for b in failed if b in step.load_req}
         if load.abandoned and not load.done.is_set():

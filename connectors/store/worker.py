@@ -3,7 +3,8 @@
 What ``shared_storage`` and ``redis`` do alike: require a fingerprint, remember the
 paged cache, gather the step's saved blocks layer by layer in ``save_kv_layer`` (one
 CPU copy per layer), count loads and saves per step and since start, and report
-``get_kv_stats``. The loads (threads, deadlines) and the writes stay in the subclasses.
+``get_kv_stats`` and the causes of the load errors (``get_load_failures``). The loads
+(threads, deadlines) and the writes stay in the subclasses.
 
 Step-level calls run on the event loop, layer hooks on the forward thread; the totals
 are guarded by a lock.
@@ -20,6 +21,7 @@ import torch
 
 from connectors.base import ConnectorContext, KVConnectorWorker
 from connectors.store.metadata import BlockRef, require_fingerprint
+from pipeline.artifacts import LoadFailures
 
 __all__ = ["StoreStep", "StoreWorker", "StoreWorkerStats"]
 
@@ -43,6 +45,7 @@ class StoreStep:
     save_index: torch.Tensor | None = None  # the saved blocks' ids, on the cache device
     gathered: dict[int, torch.Tensor] = attrs.Factory(dict)  # layer -> [2, n, bs, h, d]
     load_errors: set[int] = attrs.Factory(set)
+    load_failures: LoadFailures = attrs.Factory(LoadFailures)  # the causes of load_errors
     loaded_blocks: int = 0
     saved_blocks: int = 0
 
@@ -112,6 +115,10 @@ class StoreWorker(KVConnectorWorker):
             return None
         layers = [step.gathered[i] for i in range(len(self.kv_caches))]
         return [[kv[:, n] for kv in layers] for n in range(len(step.saves))]
+
+    def get_load_failures(self) -> LoadFailures:
+        """The causes of this step's load errors (``StoreStep.load_failures``)."""
+        return self._step.load_failures
 
     def get_kv_stats(self) -> tuple[int, int, int, int]:
         """(loaded_tokens, loaded_bytes, saved_tokens, saved_bytes) of this step."""

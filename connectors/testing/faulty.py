@@ -82,7 +82,7 @@ if TYPE_CHECKING:
     import torch
 
     from connectors.base import KVConnectorOutput
-    from pipeline.artifacts import SchedulerOutput
+    from pipeline.artifacts import LoadFailures, SchedulerOutput
     from pipeline.kv_events.sink import KVEventSink
     from pipeline.request import Request
 
@@ -265,6 +265,10 @@ class FaultyConnector:
             if fault is None or so is None:
                 return errors
             return errors | frozenset(next((r.block_ids for r in so.requests if r.block_ids), ()))
+
+        def get_load_failures(self) -> LoadFailures | None:
+            """Forward (the blocks a ``corrupt`` fault adds have no cause: ``unknown``)."""
+            return self.inner.get_load_failures()
 
         def get_kv_stats(self) -> tuple[int, int, int, int]:
             """Forward."""

@@ -44,7 +44,18 @@ def record_engine_step(step_log: StepLog, ctx: StepContext) -> None:
         load_error_blocks=len(merged.invalid_block_ids) if merged is not None else 0,
         failed_save_requests=sorted(merged.failed_save_req_ids) if merged is not None else [],
         **ahead,
+        **_load_failures(merged),
     )
+
+
+def _load_failures(merged: FanInOutput | None) -> dict[str, dict[str, int]]:
+    """``{"load_failures": {cause: blocks}}`` for a step with load errors (``unknown``:
+    no cause named), else nothing; the server's ``kvstep_kv_load_failures_total`` adds
+    them up."""
+    if merged is None or not merged.invalid_block_ids:
+        return {}
+    counts = merged.load_failures.count(merged.invalid_block_ids)
+    return {"load_failures": {str(cause): n for cause, n in sorted(counts.items())}}
 
 
 def _request_times(outputs: Iterable[RequestOutput]) -> dict[str, list[float | None]]:

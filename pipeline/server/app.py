@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hmac
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -100,6 +101,7 @@ class ServerState:
     def attach(self, engine: AsyncEngine) -> None:
         """Serve ``engine`` (already running) and feed its step reports to the metrics."""
         listeners = engine.core.step_log.listeners
+        self.metrics.connector = engine.config.connector
         if self.metrics.on_step not in listeners:
             listeners.append(self.metrics.on_step)
         self.engine = engine
@@ -204,7 +206,13 @@ async def _models(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
-    """200 with counters and the leak report while the engine serves; 503 otherwise."""
+    """200 with counters and the leak report while the engine serves; 503 otherwise.
+
+    With a connector, ``kv_connector`` says whether its loads work: ``"degraded"``
+    (and ``status`` with it, still 200: the engine serves, recomputing) when every load
+    of the last :data:`~pipeline.server.metrics.DEGRADED_AFTER_S` seconds failed. The
+    KV events endpoints are shown only to callers holding the API key when one is set.
+    """
     state = _state(request)
     reason = state.unavailable_reason()
     if reason is not None:
@@ -219,10 +227,28 @@ async def _health(request: Request) -> Response:
         "leaks": engine.leak_report(),
         "loop_lag": state.lag.snapshot(),
     }
+    if engine.config.connector is not None:
+        kv = {"name": engine.config.connector, **state.metrics.kv_health.snapshot()}
+        ok["kv_connector"] = kv
+        if kv["state"] == "degraded":
+            ok["status"] = "degraded"
     events = engine.core.kv_events
-    if events is not None:  # where a router subscribes (a bound wildcard host reads 0.0.0.0)
+    if events is not None and _holds_api_key(request, state.options):
+        # where a router subscribes (a bound wildcard host reads 0.0.0.0)
         ok["kv_events"] = events.publisher.describe()
     return JSONResponse(ok)
+
+
+def _holds_api_key(request: Request, options: ServerOptions) -> bool:
+    """Whether the caller sent the server's API key (``Authorization: Bearer``), or no
+    key is set. ``/health`` is open, so what it shows beyond liveness is gated here."""
+    key = options.api_key_bytes()
+    if key is None:
+        return True
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode("latin-1"), key)
 
 
 async def _metrics(request: Request) -> Response:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -12,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pipeline.kernel.report import StepReport
 from pipeline.request import RequestOutput
 
-__all__ = ["LoopLagMonitor", "ServerMetrics"]
+__all__ = ["DEGRADED_AFTER_S", "KVLoadHealth", "LoopLagMonitor", "ServerMetrics"]
 
 # Stage latencies: coarse buckets (one series per stage and kind).
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -23,6 +25,9 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 _R20 = (1.0, 1.12, 1.25, 1.4, 1.6, 1.8, 2.0, 2.24, 2.5, 2.8, 3.15, 3.55, 4.0, 4.5, 5.0, 5.6,
         6.3, 7.1, 8.0, 9.0)  # fmt: skip
 _FINE_BUCKETS = (*(round(m * 10.0**e, 6) for e in range(-4, 2) for m in _R20), 100.0, 112.0, 120.0)
+#: A connector whose every KV load failed for this long (and at least one did) is
+#: reported degraded by ``/health``.
+DEGRADED_AFTER_S = 60.0
 
 
 class LoopLagMonitor:
@@ -68,6 +73,76 @@ class LoopLagMonitor:
         }
 
 
+class KVLoadHealth:
+    """Whether the connector's KV loads work: degraded when, over the last
+    ``window_s`` seconds, some load failed and none succeeded.
+
+    Fed once per engine step by :meth:`record` (from the step log's listener, on any
+    thread; a lock guards the state); read by ``/health`` with :meth:`snapshot`. Never
+    blocks. A step that loaded any token is a success: the connector is healthy again
+    from then on.
+
+    Args:
+        window_s: The look-back window, seconds (:data:`DEGRADED_AFTER_S`).
+        clock: ``time.monotonic`` (tests pass their own).
+    """
+
+    def __init__(
+        self, window_s: float = DEGRADED_AFTER_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failures: collections.deque[tuple[float, dict[str, int]]] = collections.deque()
+        self._last_success: float | None = None
+
+    def record(self, loaded_tokens: int, failures: dict[str, int]) -> None:
+        """Account one engine step: the tokens it loaded, its failed blocks by cause."""
+        if not loaded_tokens and not failures:
+            return
+        now = self._clock()
+        with self._lock:
+            if loaded_tokens:
+                self._last_success = now
+            if failures:
+                self._failures.append((now, dict(failures)))
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._failures and self._failures[0][0] < horizon:
+            self._failures.popleft()
+
+    def snapshot(self) -> dict[str, Any]:
+        """``{"state": "ok" | "degraded", "failures_last_60s": blocks, "causes": {...}}``
+        (the key names the window), with a ``reason`` when degraded."""
+        now = self._clock()
+        with self._lock:
+            self._prune(now)
+            causes: dict[str, int] = {}
+            for _, counts in self._failures:
+                for cause, n in counts.items():
+                    causes[cause] = causes.get(cause, 0) + n
+            succeeded = self._last_success is not None and (
+                self._last_success >= now - self.window_s
+            )
+        total = sum(causes.values())
+        window = f"{self.window_s:g}s"
+        body: dict[str, Any] = {
+            "state": "ok",
+            f"failures_last_{window}": total,
+            "causes": dict(sorted(causes.items())),
+        }
+        if total and not succeeded:
+            listed = ", ".join(f"{c}: {n}" for c, n in sorted(causes.items()))
+            body["state"] = "degraded"
+            body["reason"] = (
+                f"every KV load of the last {window} failed ({total} blocks; {listed}); "
+                "requests are served by recomputing or fail, per load_failure_policy"
+            )
+        return body
+
+
 class ServerMetrics:
     """The server's Prometheus registry (one per app, never the global one).
 
@@ -76,7 +151,9 @@ class ServerMetrics:
     metrics are thread-safe, so it may run anywhere and never blocks.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, connector: str | None = None) -> None:
+        self.connector = connector  # the kvstep_kv_load_failures_total label
+        self.kv_health = KVLoadHealth()
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         self.steps = Counter("kvstep_steps", "Engine steps run", ["outcome"], registry=reg)
@@ -99,6 +176,13 @@ class ServerMetrics:
         )
         self.kv_saved = Counter(
             "kvstep_kv_saved_tokens", "Tokens of KV saved by the connector", registry=reg
+        )
+        self.kv_load_failures = Counter(
+            "kvstep_kv_load_failures",
+            "KV blocks that failed to load, by connector and cause (handshake, "
+            "peer_mismatch, refused, read_error, read_timeout, missing, corrupt, unknown)",
+            ["connector", "cause"],
+            registry=reg,
         )
         self.batch_tokens = Counter(
             "kvstep_scheduled_tokens", "Tokens scheduled over all steps", registry=reg
@@ -170,7 +254,12 @@ class ServerMetrics:
         if kind != "engine":
             return
         self.steps.labels(report.outcome).inc()
-        self.kv_loaded.inc(int(fields.get("loaded_tokens", 0) or 0))
+        loaded = int(fields.get("loaded_tokens", 0) or 0)
+        self.kv_loaded.inc(loaded)
+        failures: dict[str, int] = fields.get("load_failures") or {}
+        for cause, blocks in failures.items():
+            self.kv_load_failures.labels(self.connector or "none", cause).inc(blocks)
+        self.kv_health.record(loaded, failures)
         self.kv_saved.inc(int(fields.get("saved_tokens", 0) or 0))
         self.batch_tokens.inc(int(fields.get("num_tokens", 0) or 0))
 

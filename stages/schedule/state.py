@@ -100,6 +100,9 @@ class SchedulerState:
             the send within the transfer lease (not a leak; a count for metrics).
         num_expired_recving: Parked requests failed because some rank never reported
             the load within the transfer lease.
+        load_failures: Requests whose KV failed to load, by cause (their first failed
+            block's): the first of each cause is logged at warning level, the rest at
+            debug level with this count.
     """
 
     kv: KVCacheManager
@@ -115,6 +118,7 @@ class SchedulerState:
     pending_outputs: list[RequestOutput] = attrs.field(factory=list)
     num_expired_sending: int = 0
     num_expired_recving: int = 0
+    load_failures: dict[str, int] = attrs.field(factory=dict)
 
     def finish_all(
         self, req_ids: Iterable[str], status: RequestStatus, error: str | None

@@ -1,7 +1,8 @@
 """Applying one step's merged worker output to the scheduler state.
 
 In order: blocks that failed to load (truncate and recompute, or fail the request,
-per ``load_failure_policy``); requests that failed alone in the step
+per ``load_failure_policy``; the first request of each cause is logged as a warning,
+the later ones at debug level); requests that failed alone in the step
 (``request_errors``: ``"error"``, the others are unaffected); sampled tokens, block
 hashes and stop checks for the requests the step scheduled; async loads that
 completed (``finished_recving``: the request becomes schedulable); sends that
@@ -202,13 +203,7 @@ def _handle_load_errors(
         if valid >= expected:
             continue
         affected.add(req_id)
-        log.warning(
-            "KV load failed",
-            req_id=req_id,
-            block_id=block_ids[first],
-            valid_tokens=valid,
-            policy=policy.load_failure_policy,
-        )
+        _log_load_failure(state, request, block_ids[first], valid, output, policy)
         external = request.num_external_computed_tokens
         if external:  # only what really loaded counts as the connector's
             served = request.num_cached_tokens if request.num_cached_tokens >= 0 else expected
@@ -226,6 +221,33 @@ def _handle_load_errors(
         if request.num_cached_tokens > valid:  # only what really loaded was served
             request.num_cached_tokens = valid
     return affected
+
+
+def _log_load_failure(
+    state: SchedulerState,
+    request: Request,
+    block_id: int,
+    valid: int,
+    output: FanInOutput,
+    policy: UpdatePolicy,
+) -> None:
+    """Count a request whose KV failed to load under its first failed block's cause;
+    the first of a cause is a warning, the rest debug records with the count (the
+    server's ``kvstep_kv_load_failures_total`` counts the blocks)."""
+    cause = str(output.load_failures.cause_of(block_id))
+    count = state.load_failures.get(cause, 0) + 1
+    state.load_failures[cause] = count
+    level = log.warning if count == 1 else log.debug
+    level(
+        "KV load failed",
+        req_id=request.request_id,
+        block_id=block_id,
+        cause=cause,
+        valid_tokens=valid,
+        policy=policy.load_failure_policy,
+        failures=count,
+        **({"later": "logged at debug level, counted by cause"} if count == 1 else {}),
+    )
 
 
 def _finish_recving(state: SchedulerState, finished_recving: frozenset[str]) -> None:
