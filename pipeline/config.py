@@ -247,9 +247,10 @@ class EngineConfig:
             padded size, run eagerly.
         kv_events: Publish the KV cache events of the block pool and of the connector
             tiers that report them (vLLM's schema, on ZeroMQ): a ``KVEventsConfig``, a
-            PUB endpoint such as ``tcp://*:5557``, or a dict (JSON object) of
-            ``KVEventsConfig`` fields, e.g. ``{"endpoint": "tcp://*:5557",
-            "replay_endpoint": "tcp://*:5558"}``; ``None``: off.
+            PUB endpoint to bind such as ``tcp://127.0.0.1:5557``, or a dict (JSON
+            object) of ``KVEventsConfig`` fields, e.g. ``{"endpoint":
+            "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}``;
+            ``None``: off.
         engine_id: This engine's id among the engines that exchange KV (vLLM's
             ``kv_transfer_config.engine_id``): what a producer names itself in the
             ``kv_transfer_params`` it answers, and what its NIXL agents are named after.
