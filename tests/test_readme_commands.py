@@ -7,14 +7,121 @@ the same time under pytest-xdist (``--dist loadfile``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from readme_commands import readme_block, run_block
+from readme_commands import BlockProcess, readme_block, run_block
+from server_process import launch
+
+_PROMPT_TOKENS = 300
+_NUM_REQUESTS = 16
+_SIDE_CHANNEL_PORTS = range(5600, 5616)  # the nixl default (5600 + rank) and its ranks
+
+
+def _metric(url: str, name: str) -> float:
+    """The value of an unlabelled metric of ``url``'s ``/metrics``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert found is not None, f"{name} not in {url}/metrics"
+    return float(found.group(1))
+
+
+def _listening_ports() -> dict[int, set[int]]:
+    """pid → the TCP ports its sockets listen on (IPv4 and IPv6), from ``/proc``."""
+    inodes: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    inodes[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+    ports: dict[int, set[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            links = [str(fd.readlink()) for fd in (proc / "fd").iterdir()]
+        except OSError:  # gone, or not ours
+            continue
+        for link in links:
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                ports.setdefault(int(proc.name), set()).add(inodes[link[8:-1]])
+    return ports
+
+
+def _complete(url: str, prompt: list[int]) -> list[int]:
+    body = {"model": "builtin:tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    choice: dict[str, Any] = response.json()["choices"][0]
+    return list(choice["token_ids"])
+
+
+@pytest.fixture(scope="class")
+def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The README's P/D block running, a plain reference server beside it, the
+    requests sent to both, and the consumer's metrics around them."""
+    pytest.importorskip("nixl_cu12")
+    pytest.importorskip("zmq")
+    tmp = tmp_path_factory.mktemp("pd")
+    text = readme_block("--kv-role producer")
+    prompts = [
+        [5 + (i * 31 + j * 7) % 240 for j in range(_PROMPT_TOKENS)] for i in range(_NUM_REQUESTS)
+    ]
+    with (
+        launch("serve", ["--model", "builtin:tiny"], tmp / "reference.log") as reference,
+        run_block(text, tmp) as block,
+    ):
+        for url in ("http://127.0.0.1:8100", "http://127.0.0.1:8200", "http://127.0.0.1:8000"):
+            block.wait_healthy(url)
+        reference.wait_healthy(time.monotonic() + 180)
+        consumer = "http://127.0.0.1:8200"
+        before = {n: _metric(consumer, n) for n in ("kvstep_scheduled_tokens_total",
+                                                     "kvstep_kv_loaded_tokens_total")}  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            via_proxy = list(pool.map(lambda p: _complete("http://127.0.0.1:8000", p), prompts))
+            alone = list(pool.map(lambda p: _complete(reference.url, p), prompts))
+        after = {n: _metric(consumer, n) for n in before}
+        yield {
+            "block": block,
+            "sent": sum(map(len, prompts)),
+            "delta": {n: after[n] - before[n] for n in before},
+            "via_proxy": via_proxy,
+            "alone": alone,
+            "ports": _listening_ports(),
+        }
+
+
+class TestDisaggregationCommands:
+    """The README's P/D block (producer, consumer, proxy), typed as is, on one host."""
+
+    def test_kv_moves_from_producer_to_consumer(self, pd_run: dict[str, Any]) -> None:
+        """The consumer computes < 30% of the prompt tokens and loads >= 80% of them."""
+        sent, delta = pd_run["sent"], pd_run["delta"]
+        block: BlockProcess = pd_run["block"]
+        assert delta["kvstep_scheduled_tokens_total"] < 0.3 * sent, block.tail()
+        assert delta["kvstep_kv_loaded_tokens_total"] >= 0.8 * sent, block.tail()
+
+    def test_tokens_equal_a_single_servers(self, pd_run: dict[str, Any]) -> None:
+        """Greedy tokens through the proxy are a plain server's, request by request."""
+        assert pd_run["via_proxy"] == pd_run["alone"]
+
+    def test_only_the_producer_binds_a_side_channel(self, pd_run: dict[str, Any]) -> None:
+        """The producer listens on 5600; the consumer binds no side-channel port."""
+        ports: dict[int, set[int]] = pd_run["ports"]
+        consumer = [pid for pid, bound in ports.items() if 8200 in bound]
+        producer = [pid for pid, bound in ports.items() if 8100 in bound]
+        assert len(consumer) == 1 and len(producer) == 1
+        assert 5600 in ports[producer[0]]
+        assert not ports[consumer[0]] & set(_SIDE_CHANNEL_PORTS)
+
 
 _ROUTING_URLS = ("http://127.0.0.1:8101", "http://127.0.0.1:8102", "http://127.0.0.1:8103")
 _PROXY_URL = "http://127.0.0.1:8000"
