@@ -49,6 +49,7 @@ from connectors.base import (
     WorkerFinished,
 )
 from connectors.nixl.agent import KVAgent, ReadHandle
+from connectors.nixl.causes import load_failure_cause
 from connectors.nixl.errors import NixlError
 from connectors.nixl.handshake import HandshakeServer, claim_blocks
 from connectors.nixl.metadata import NixlMetadata, RemoteRead
@@ -58,6 +59,7 @@ from connectors.nixl.posting import ReadPoster
 from connectors.nixl.scheduler import model_key
 from connectors.nixl.sends import HeldSends
 from connectors.nixl.tickets import ClaimBook
+from pipeline.artifacts import LoadFailureCause, LoadFailures
 from pipeline.logs import get_logger
 
 __all__ = ["NixlWorker"]
@@ -106,6 +108,8 @@ class NixlWorker(KVConnectorWorker):
         self._closed = False
         self._loaded = (0, 0)  # reads done since the last get_finished: tokens, bytes
         self._stats = (0, 0, 0, 0)  # what get_kv_stats reports for this step
+        self._failed: dict[LoadFailureCause, set[int]] = {}  # blocks of failed reads, by cause
+        self._failure_counts: dict[LoadFailureCause, int] = {}  # failed reads since start
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         """Register the cache with a NIXL agent; a producer starts its side channel.
@@ -244,10 +248,23 @@ class NixlWorker(KVConnectorWorker):
             log.warning("nixl notify failed", req_id=spec.req_id, error=str(exc))
 
     def _fail(self, spec: RemoteRead, exc: Exception) -> None:
-        log.warning("nixl read failed", req_id=spec.req_id, peer=spec.engine_id, error=str(exc))
+        """Fail ``spec``'s read: its blocks are load errors, under the cause ``exc``
+        tells; the first failure of each cause is a warning, later ones debug records
+        with the count (the engine counts every block by cause)."""
+        cause = load_failure_cause(exc)
+        count = self._failure_counts[cause] = self._failure_counts.get(cause, 0) + 1
+        (log.warning if count == 1 else log.debug)(
+            "nixl read failed",
+            req_id=spec.req_id,
+            peer=spec.engine_id,
+            cause=str(cause),
+            error=str(exc),
+            failures=count,
+        )
         if self.agent is not None and not self.poster.busy:
             self.agent.remove_peer(spec.engine_id)  # a restarted peer is fetched again
         self._load_errors.update(spec.local_block_ids)
+        self._failed.setdefault(cause, set()).update(spec.local_block_ids)
         self._finish_read(spec.req_id)
 
     def _finish_read(self, req_id: str) -> None:
@@ -323,6 +340,13 @@ class NixlWorker(KVConnectorWorker):
         not how many blocks it read. A query; the same answer until the next step's
         :meth:`get_finished`."""
         return self._stats
+
+    def get_load_failures(self) -> LoadFailures:
+        """The causes of the blocks of reads that failed since the previous call, each
+        reported once (asked right after :meth:`get_block_ids_with_load_errors`, which
+        reports the same blocks; a read refused by the scheduler half has no cause)."""
+        failed, self._failed = self._failed, {}
+        return LoadFailures(blocks=failed)
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         """Blocks of reads that failed since the previous call, each reported once."""
