@@ -79,6 +79,21 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     monkeypatch.setenv("KVSTEP_CACHE_DIR", str(_session_cache(tmp_path_factory)))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache_for_wider_fixtures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The same cache for module- and session-scoped fixtures, which start before a
+    test's own fixtures: an engine they start shares the tests' cache (its builtin
+    model, and the nixl transfer key file: a producer and a consumer of one test run
+    must find the same key)."""
+    before = os.environ.get("KVSTEP_CACHE_DIR")
+    os.environ["KVSTEP_CACHE_DIR"] = str(_session_cache(tmp_path_factory))
+    yield
+    if before is None:
+        os.environ.pop("KVSTEP_CACHE_DIR", None)
+    else:
+        os.environ["KVSTEP_CACHE_DIR"] = before
+
+
 _CACHE: list[Path] = []
 
 

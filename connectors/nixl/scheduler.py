@@ -149,7 +149,7 @@ class NixlScheduler(KVConnectorScheduler):
         if admitted is None:
             return MatchResult(0, False)
         remote, refused = admitted
-        refused = refused or self._mismatch(remote)
+        refused = self._mismatch(remote) or refused  # a mismatch says more than expiry
         bs = self.block_size
         start = num_computed_tokens // bs
         end = min((request.num_prompt_tokens - 1) // bs, len(remote.block_ids))

@@ -27,6 +27,7 @@ __all__ = ["HeldSends"]
 
 log = get_logger()
 _MAX_KEPT = 4096  # early notifications, and recently released ids, kept at most
+_MAX_TICKETS = 4  # tickets kept per early notification's id
 
 
 class HeldSends:
@@ -42,7 +43,7 @@ class HeldSends:
         self._held: dict[str, float] = {}  # req id -> lease deadline
         self._tickets: dict[str, str] = {}  # held req id -> its ticket
         self._early: dict[str, float] = {}  # notified before held -> when
-        self._early_tickets: dict[str, str] = {}  # ... and under which ticket
+        self._early_tickets: dict[str, list[str]] = {}  # ... under which tickets
         self._released: dict[str, float] = {}  # released -> when
 
     def __len__(self) -> int:
@@ -71,12 +72,15 @@ class HeldSends:
         for req_id, ticket in notified:
             if req_id in self._held or req_id not in self._released:
                 self._early[req_id] = now
-                self._early_tickets[req_id] = ticket
+                tickets = self._early_tickets.setdefault(req_id, [])
+                if ticket not in tickets and len(tickets) < _MAX_TICKETS:  # a forged one
+                    tickets.append(ticket)  # must not hide the genuine one
             else:
                 log.debug("nixl notification for a released send dropped", req_id=req_id)
         out = []
         for req_id in [r for r in self._early if r in self._held]:
-            if hmac.compare_digest(self._early_tickets.pop(req_id, ""), self._tickets[req_id]):
+            tickets = self._early_tickets.pop(req_id, [])
+            if any(hmac.compare_digest(t, self._tickets[req_id]) for t in tickets):
                 out.append(req_id)
             else:
                 log.warning("nixl notification under a wrong ticket dropped", req_id=req_id)

@@ -20,12 +20,14 @@ import torch
 
 from connectors.nixl.agent import KVAgent
 from connectors.nixl.handshake import fetch_peer_info
+from connectors.nixl.transfer_key import TransferKey
 
 
 def main() -> None:
     print("READY", flush=True)
     address = json.loads(sys.stdin.readline())
-    info = fetch_peer_info(address["host"], address["port"], 10.0)
+    key = TransferKey.default()  # this user's: the producer's too
+    info = fetch_peer_info(address["host"], address["port"], 10.0, key=key)
     layer = (2, info.num_blocks, info.block_bytes // 4)  # float32: the same bytes per block
     agent = KVAgent(
         engine_id="killed-consumer",

@@ -29,13 +29,14 @@ import pytest
 pytest.importorskip("nixl_cu12")
 pytest.importorskip("zmq")
 
-from nixl_peer import SHAPE, filled_cache
+from nixl_peer import SHAPE, TEST_KEY, filled_cache
 from nixl_tickets import signed
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.nixl import NixlMetadata, NixlWorker, RemoteRead, peers
-from connectors.nixl.agent import NOTIF_PREFIX
+from connectors.nixl.agent import notification
 from connectors.nixl.errors import HandshakeError
+from connectors.nixl.metadata import HeldSend
 from connectors.nixl.peers import PeerHandshakes, Resolved
 from connectors.nixl.sends import HeldSends
 from pipeline import LLM, AsyncEngine, EngineConfig, RequestOutput, SamplingParams
@@ -173,10 +174,11 @@ class TestProducerKilled:
         SIGKILLed with the other two READs still in flight: under recompute the request
         ends with one engine's tokens, under fail it alone ends with "error"; the other
         request of each batch completes; nothing leaks. Killed before the read starts:
-        a fourth consumer, which still holds the dead producer as a peer, has its READ
-        refused (NIXL: remote disconnected) and recomputes; a later request to the dead
+        a fourth consumer, which still holds the dead producer as a peer, has its read
+        refused and recomputes; a later request to the dead
         producer on the first, which forgot it, fails its handshake at once (port
-        closed) and recomputes.
+        closed) and recomputes. (The fourth consumer's claim, sent before any read, now
+        finds the dead producer's port closed.)
 
         UCX runs over TCP here (``UCX_TLS=tcp``, this process and the producer): a READ
         then needs the producer's CPU, so the stopped producer holds it in flight,
@@ -215,7 +217,18 @@ class TestProducerKilled:
                     assert out.metrics is not None and out.metrics.num_external_tokens == 16
                 producer.send([batch[0]] * 4)
                 held = json.loads(await producer.aexpect("PARAMS "))
-                producer.signal(signal.SIGSTOP)
+                # Each consumer claims its blocks from the producer before reading: stop
+                # the producer once the three claims were granted, before any READ is
+                # posted (the claims wait for each other on their poster threads).
+                claimed = threading.Barrier(3, action=lambda: producer.signal(signal.SIGSTOP))
+                for worker in workers:
+
+                    def claim_then_wait(spec: Any, claim: Any = worker._claim) -> None:
+                        claim(spec)
+                        if spec.req_id == "held":
+                            claimed.wait(30)
+
+                    worker._claim = claim_then_wait  # type: ignore[method-assign]
                 ended: dict[tuple[int, str], tuple[RequestOutput, float]] = {}
 
                 async def one(i: int, rid: str, prompt: list[int], params: Any = None) -> None:
@@ -276,7 +289,9 @@ class TestProducerKilled:
                 with anyio.fail_after(60):
                     out = await run(idle, batch[0], "late", kv_transfer_params=held[3])
                 assert out.token_ids == reference[0]
-                assert any("DISCONNECT" in m for m in logged(caplog, "nixl read failed"))
+                # its claim finds the port closed before any READ is posted
+                late = [m for m in logged(caplog, "nixl read failed") if "'late'" in m]
+                assert late and all("cannot connect" in m for m in late)
                 took = time.monotonic() - start
                 print(f"dead peer still admitted, READ refused -> ended: {took:.3f}s")
                 for engine in engines:
@@ -411,32 +426,42 @@ class TestNotifications:
     async def test_early_repeated_and_unknown_notifications_free_a_send_once(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:
-        """The consumer reads and notifies before the producer holds the send; it
-        notifies again, and names a request nobody holds: the producer releases the
-        send exactly once, raises nothing, and holds nothing after."""
+        """The consumer notifies before the producer holds the send (a read of no
+        block: no claim), again, under a forged ticket, and names a request nobody
+        holds: the producer releases the send exactly once, raises nothing, and holds
+        nothing after. A read of a held send claims it first, then frees it."""
         caplog.set_level(logging.DEBUG, logger="kvstep")
         producer = nixl_worker_of("producer", "prod", lease_s=30.0)
         consumer = nixl_worker_of("consumer", "cons")
         try:
             opts = producer.options
-            read = RemoteRead("c1", "prod", opts.host, opts.port, "p1", (1, 2), (0, 3))
-            done = await steps_until(consumer, NixlMetadata(reads=(read,)), lambda f: f.recving)
-            assert done[-1].recving == {"c1"} and not done[-1].errors
+            notify = RemoteRead("c1", "prod", opts.host, opts.port, "p1", (), (), "", "t1")
+            await steps_until(consumer, NixlMetadata(reads=(notify,)), lambda f: True)
             assert consumer.agent is not None
-            for name in ("p1", "p1", "nobody"):
-                consumer.agent.notify("prod", NOTIF_PREFIX + name.encode())
+            with anyio.fail_after(20):
+                while not consumer.agent.has_peer("prod"):
+                    await step(consumer, NixlMetadata())
+            for name, ticket in (("p1", "t1"), ("p1", "forged"), ("nobody", "x")):
+                consumer.agent.notify("prod", notification(name, ticket))
             early = await steps_until(  # they all arrive before the send is held
                 producer, NixlMetadata(), lambda f: {"p1", "nobody"} <= set(producer.sends._early)
             )
             assert not any(f.sending for f in early)
-            released = await step(producer, NixlMetadata(sends=("p1",)))
-            assert released.sending == {"p1"}
-            consumer.agent.notify("prod", NOTIF_PREFIX + b"p1")  # late
+            held = NixlMetadata(sends=(HeldSend("p1", "t1", (1, 2)),))
+            released = await steps_until(producer, held, lambda f: f.sending)
+            assert released[-1].sending == {"p1"}
+            consumer.agent.notify("prod", notification("p1", "t1"))  # late
             later = await steps_until(
                 producer, NixlMetadata(), lambda f: logged(caplog, "released send dropped")
             )
             assert not any(f.sending for f in later)
             assert len(producer.sends) == 0 and "p1" not in producer.sends._early
+            await step(producer, NixlMetadata(sends=(HeldSend("p2", "t2", (1, 2)),)))
+            read = RemoteRead("c2", "prod", opts.host, opts.port, "p2", (1, 2), (0, 3), "", "t2")
+            done = await steps_until(consumer, NixlMetadata(reads=(read,)), lambda f: f.recving)
+            assert done[-1].recving == {"c2"} and not done[-1].errors
+            freed = await steps_until(producer, NixlMetadata(), lambda f: f.sending)
+            assert freed[-1].sending == {"p2"} and len(producer.book) == 0
         finally:
             await consumer.aclose()
             await producer.aclose()
@@ -513,7 +538,7 @@ class TestPeerHandshakes:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # connections complete in the kernel, nothing is ever read
         port = silent.getsockname()[1]
-        handshakes = PeerHandshakes(timeout_s=60.0)
+        handshakes = PeerHandshakes(timeout_s=60.0, key=TEST_KEY, sender="cons")
         try:
             for req_id, engine_id in (("a", "e1"), ("b", "e1"), ("c", "e2")):
                 handshakes.wait(waiting_read(req_id, engine_id, port), port)
@@ -533,7 +558,7 @@ class TestPeerHandshakes:
     def test_a_closed_port_resolves_at_once_with_its_reads(self) -> None:
         """Nobody listens: the handshake ends (well before its 60 s timeout) with a
         HandshakeError and hands back the reads that waited for it."""
-        handshakes = PeerHandshakes(timeout_s=60.0)
+        handshakes = PeerHandshakes(timeout_s=60.0, key=TEST_KEY, sender="cons")
         port = free_port()
         try:
             handshakes.wait(waiting_read("a", "e", port), port)
