@@ -37,6 +37,7 @@ from fault_schedule import (
 )
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from nixl_tickets import signed
 
 from connectors.base import ForwardContext, KVConnectorMetadata, WorkerFinished
 from connectors.nixl import NixlScheduler
@@ -342,15 +343,16 @@ class TestSingleFaults:
     def test_a_read_that_fails_recomputes_or_fails_alone(
         self, leak_check: Callable[[dict[str, int]], None], policy: str
     ) -> None:
-        """The consumer cannot reach the producer (the answer names a port nobody serves):
-        its blocks fail to load, so under "recompute" the request decodes one engine's
-        tokens and under "fail" it fails alone; the producer frees its blocks when the
-        lease runs out."""
+        """The consumer cannot reach the producer (the answer names a port nobody
+        serves, as a misconfigured producer holding the key would sign it): its blocks
+        fail to load, so under "recompute" the request decodes one engine's tokens and
+        under "fail" it fails alone; the producer frees its blocks when the lease runs
+        out."""
         clients = [_client(p, 4) for p in _prompts(40)]
         dead_port = _free_port()
 
         def misdirect(params: dict[str, Any]) -> dict[str, Any]:
-            return {**params, "remote_port": dead_port}
+            return signed({**params, "remote_port": dead_port}, clients[0].prompt)
 
         run = partial(_run_pair, tamper=misdirect, handshake_timeout_s=0.2)
         runs = anyio.run(run, clients, (), (), policy, leak_check)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from nixl_tickets import signed
 
 from connectors.base import (
     ConnectorContext,
@@ -90,7 +91,8 @@ class TestProducer:
         assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", 7000)
         assert (params["block_size"], params["tp_size"]) == (BS, 1)
         assert sched.has_pending_work()
-        assert sched.build_connector_meta(None).sends == ("p1",)  # type: ignore[arg-type]
+        (send,) = sched.build_connector_meta(None).sends  # type: ignore[arg-type]
+        assert (send.req_id, send.ticket, send.block_ids) == ("p1", params["ticket"], (7, 3, 5))
         sched.update_connector_output(KVConnectorOutput(finished_sending=frozenset({"p1"})))
         assert not sched.has_pending_work()
 
@@ -120,10 +122,12 @@ class TestProducer:
 
 
 class TestConsumer:
-    def params(self, **over: Any) -> dict[str, Any]:
+    def params(self, n: int = 10, **over: Any) -> dict[str, Any]:
+        """A producer's answer for a prompt of ``n`` tokens, with ``over`` signed in as a
+        producer holding the key would (a client's edit is refused: TestTickets)."""
         producer = scheduler("producer")
         result = finish(producer, request("p", 10, {"do_remote_decode": True}), [4, 5, 6])
-        return {**result.kv_transfer_params, **over}
+        return signed({**result.kv_transfer_params, **over}, list(range(1, n + 1)))
 
     def test_whole_blocks_but_the_last_token_are_read_asynchronously(self) -> None:
         """10 prompt tokens, block size 4: 2 blocks (8 tokens) read into the new blocks."""
@@ -152,7 +156,7 @@ class TestConsumer:
     def test_a_short_prompt_reads_nothing_but_still_frees_the_producer(self) -> None:
         """A prompt within one block: no load, an empty read that only notifies."""
         sched = scheduler("consumer")
-        req = request("c", 3, self.params(remote_block_ids=[4]))
+        req = request("c", 3, self.params(3, remote_block_ids=[4]))
         assert sched.get_num_new_matched_tokens(req, 0) == MatchResult(0, False)
         sched.update_state_after_alloc(req, [11], 0)
         (read,) = sched.build_connector_meta(None).reads  # type: ignore[arg-type]
@@ -199,7 +203,7 @@ class TestConsumer:
     def test_a_mismatched_producer_with_nothing_to_read_is_computed_here(self) -> None:
         """A prompt within one block: nothing would load, nothing is refused."""
         sched = scheduler("consumer")
-        req = request("c", 3, self.params(block_size=8))
+        req = request("c", 3, self.params(3, block_size=8))
         assert sched.get_num_new_matched_tokens(req, 0) == MatchResult(0, False)
         sched.update_state_after_alloc(req, [11], 0)
         assert sched.build_connector_meta(None).reads == ()  # type: ignore[arg-type]
@@ -231,18 +235,15 @@ class TestLostSteps:
         sched.update_state_after_alloc(reading, [11, 12, 13], 8)
         finish(sched, request("p", 9, {"do_remote_decode": True}), [1, 2, 3])
         first = sched.build_connector_meta(None)  # type: ignore[arg-type]
-        assert ([r.req_id for r in first.reads], first.sends, first.resent) == (
-            ["r"],
-            ("p",),
-            False,
-        )
+        assert ([r.req_id for r in first.reads], [s.req_id for s in first.sends]) == (["r"], ["p"])
+        assert not first.resent
         finish(sched, request("q", 9, {"do_remote_decode": True}), [4, 5, 6])
         again = sched.build_connector_meta(None)  # type: ignore[arg-type]
-        assert ([r.req_id for r in again.reads], again.sends, again.resent) == (
+        assert ([r.req_id for r in again.reads], [s.req_id for s in again.sends]) == (
             ["r"],
-            ("p", "q"),
-            True,
+            ["p", "q"],
         )
+        assert again.resent
         done = frozenset({"p"})
         sched.update_connector_output(KVConnectorOutput(finished_sending=done))
         quiet = sched.build_connector_meta(None)  # type: ignore[arg-type]

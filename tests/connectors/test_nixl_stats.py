@@ -23,7 +23,7 @@ from test_nixl_engine import BS, PARAMS, config, free_port, prefill, prompts, wa
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.nixl import NixlMetadata, TransferError
-from connectors.nixl.metadata import RemoteRead
+from connectors.nixl.metadata import HeldSend, RemoteRead
 from connectors.nixl.worker import NixlWorker
 from pipeline import LLM, EngineConfig
 from stages.forward.builtin import TINY_CONFIG
@@ -67,8 +67,20 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[NixlWorker, NixlWorke
 
 
 def read(producer: NixlWorker, remote: tuple[int, ...], local: tuple[int, ...]) -> RemoteRead:
+    """The read of ``remote`` blocks, which the producer now holds (so the consumer's
+    claim of them is granted)."""
+    anyio.run(step, producer, hold(remote))
+    return spec_of(producer, remote, local)
+
+
+def hold(remote: tuple[int, ...]) -> NixlMetadata:
+    """The producer's metadata that holds request p1's ``remote`` blocks (ticket t1)."""
+    return NixlMetadata(sends=(HeldSend("p1", "t1", remote),))
+
+
+def spec_of(producer: NixlWorker, remote: tuple[int, ...], local: tuple[int, ...]) -> RemoteRead:
     opts = producer.options
-    return RemoteRead("r1", opts.engine_id, opts.host, opts.port, "p1", remote, local)
+    return RemoteRead("r1", opts.engine_id, opts.host, opts.port, "p1", remote, local, "", "t1")
 
 
 async def step(w: NixlWorker, meta: NixlMetadata) -> tuple[frozenset[str], tuple[int, ...]]:
@@ -156,8 +168,8 @@ class TestWorkerStats:
         producer, consumer = pair
 
         async def run() -> list[tuple[int, ...]]:
-            await step(producer, NixlMetadata(sends=("p1",)))
-            await until_received(consumer, read(producer, (1, 2), (0, 3)))
+            await step(producer, hold((1, 2)))
+            await until_received(consumer, spec_of(producer, (1, 2), (0, 3)))
             stats: list[tuple[int, ...]] = []
             end = time.monotonic() + 10.0
             while True:
