@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from pipeline.artifacts import SchedulerOutput
@@ -55,6 +55,19 @@ class KVConnectorScheduler(abc.ABC):
         Raises:
             InvalidRequestError: The request is refused; the message names the field.
         """
+
+    def release_transfer(self, kv_transfer_params: dict[str, Any]) -> bool:
+        """Free at once what this engine holds for the transfer ``kv_transfer_params``
+        describe (as it answered them from ``request_finished``), because its receiver
+        will never take it (a consumer refused the request); whether anything is freed.
+
+        Called by whoever routed the transfer (``AsyncEngine.release_transfer``, the
+        server's ``POST /v1/kv_transfer/release``, which a proxy calls). The params come
+        from outside: a connector frees only a transfer that they name exactly (e.g. by
+        its ticket). Engine process, event loop; synchronous, must not block. The
+        default holds nothing and frees nothing.
+        """
+        return False
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:

@@ -27,7 +27,7 @@ its loads are reported as failed by the workers. Runs on the event loop; never b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -116,6 +116,11 @@ class MultiScheduler(KVConnectorScheduler):
         """Every tier's check (the first refusal is raised)."""
         for tier in self.tiers:
             tier.check_request(request)
+
+    def release_transfer(self, kv_transfer_params: dict[str, Any]) -> bool:
+        """Every tier's release (whether any freed something)."""
+        freed = [tier.release_transfer(kv_transfer_params) for tier in self.tiers]
+        return any(freed)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:
         """The longest hit over the tiers (ties: the fastest); ``None`` while any tier

@@ -72,6 +72,10 @@ class NixlMetadata(KVConnectorMetadata):
             when ``lease_s`` runs out.
         cancels: Requests that finished while their read was in flight: their blocks
             are held until the read is over, then reported in ``sending``.
+        releases: Held sends whose consumer will never read them (it refused the
+            request; :meth:`~connectors.nixl.scheduler.NixlScheduler.release_transfer`):
+            released at once by a rank where no claim was granted, reported in
+            ``sending``; a rank being read keeps its hold until the notification.
         resent: Whether this also carries the previous step's instructions again (that
             step's output never came back, so they may never have reached a worker): a
             worker skips the reads it already has and the sends it holds or released.
@@ -80,4 +84,5 @@ class NixlMetadata(KVConnectorMetadata):
     reads: tuple[RemoteRead, ...] = ()
     sends: tuple[HeldSend, ...] = ()
     cancels: tuple[str, ...] = ()
+    releases: tuple[str, ...] = ()
     resent: bool = False

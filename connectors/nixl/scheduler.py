@@ -18,6 +18,7 @@ blocks are reported as load errors, and the request recomputes or fails alone pe
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -93,6 +94,8 @@ class NixlScheduler(KVConnectorScheduler):
         # checked remote prefills (consumer), and why their read is refused ("": it is not)
         self._admitted: dict[str, tuple[RemotePrefill, str]] = {}
         self._cancels: list[str] = []
+        self._releases: list[str] = []
+        self._tickets: dict[str, str] = {}  # held (producer) -> the ticket answered
         self.loading: set[str] = set()  # reads in flight (consumer)
         self.loaded: set[str] = set()  # reads done: never read again (consumer)
         self.held: set[str] = set()  # blocks held for a consumer, or until a read is over
@@ -207,18 +210,46 @@ class NixlScheduler(KVConnectorScheduler):
         step's output never came back (it failed, maybe before its workers were bound),
         also its instructions that still stand, marked ``resent``."""
         reads, sends, cancels = self._reads, self._sends, self._cancels
+        releases = self._releases
         prev = self._unacked
         if prev is not None:
             reading = self.loading | self.loaded
             reads = [r for r in prev.reads if r.req_id in reading] + reads
             sends = [s for s in prev.sends if s.req_id in self.held] + sends
             cancels = [c for c in prev.cancels if c in self.held] + cancels
+            releases = [r for r in prev.releases if r in self.held] + releases
         meta = NixlMetadata(
-            reads=tuple(reads), sends=tuple(sends), cancels=tuple(cancels), resent=prev is not None
+            reads=tuple(reads),
+            sends=tuple(sends),
+            cancels=tuple(cancels),
+            releases=tuple(releases),
+            resent=prev is not None,
         )
-        self._reads, self._sends, self._cancels = [], [], []
-        self._unacked = meta if (meta.reads or meta.sends or meta.cancels) else None
+        self._reads, self._sends, self._cancels, self._releases = [], [], [], []
+        standing = meta.reads or meta.sends or meta.cancels or meta.releases
+        self._unacked = meta if standing else None
         return meta
+
+    def release_transfer(self, kv_transfer_params: dict[str, Any]) -> bool:
+        """Free a finished prefill's held blocks now: the consumer refused the request
+        these params (this producer's answer) were for. Only the held request that the
+        params name under its own ticket is freed, by the ranks no consumer is reading
+        from; anything else is ignored (``False``)."""
+        params = kv_transfer_params
+        req_id, ticket = params.get("remote_request_id"), params.get("ticket")
+        if (
+            not self.options.produces
+            or params.get("remote_engine_id") != self.options.engine_id
+            or not isinstance(req_id, str)
+            or not isinstance(ticket, str)
+        ):
+            return False
+        held = self._tickets.get(req_id)
+        if held is None or not hmac.compare_digest(held, ticket):
+            return False
+        if req_id not in self._releases:
+            self._releases.append(req_id)
+        return True
 
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> RequestFinishedResult:
         """Hold a finished prefill's blocks for its consumer (producer), or a
@@ -261,6 +292,7 @@ class NixlScheduler(KVConnectorScheduler):
         )
         ticket = issue_ticket(self.key, fields)
         self.held.add(req_id)
+        self._tickets[req_id] = ticket
         self._sends.append(HeldSend(req_id, ticket, held))
         answer: dict[str, Any] = {
             "do_remote_prefill": True,
@@ -284,6 +316,7 @@ class NixlScheduler(KVConnectorScheduler):
         self._unacked = None
         for req_id in output.finished_sending | output.expired_sending:
             self.held.discard(req_id)
+            self._tickets.pop(req_id, None)
         for req_id in output.finished_recving:
             if req_id in self.loading:
                 self.loading.discard(req_id)

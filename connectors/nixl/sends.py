@@ -64,6 +64,16 @@ class HeldSends:
         self._tickets[req_id] = ticket
         return True
 
+    def release(self, req_id: str, now: float) -> bool:
+        """Release ``req_id`` now (its consumer will never read it); whether it was
+        held. Later notifications of it are dropped, as for any released send."""
+        if req_id not in self._held:
+            return False
+        del self._held[req_id], self._tickets[req_id]
+        self._released.pop(req_id, None)
+        self._released[req_id] = now
+        return True
+
     def take_released(self, notified: Iterable[tuple[str, str]], now: float) -> list[str]:
         """Apply the notifications ``(request id, ticket)`` that arrived since the
         previous call and the leases that ran out by ``now``; the sends released, each

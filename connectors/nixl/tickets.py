@@ -137,11 +137,24 @@ class ClaimBook:
     def release(self, req_id: str) -> None:
         """Nothing more can be claimed of ``req_id`` (its blocks are freed)."""
         with self._lock:
-            if self._held.pop(req_id, None) is not None:
-                self._released.pop(req_id, None)
-                self._released[req_id] = None
-                if len(self._released) > MAX_CLAIM_BOOK:
-                    del self._released[next(iter(self._released))]
+            self._release(req_id)
+
+    def _release(self, req_id: str) -> None:
+        if self._held.pop(req_id, None) is not None:
+            self._released.pop(req_id, None)
+            self._released[req_id] = None
+            if len(self._released) > MAX_CLAIM_BOOK:
+                del self._released[next(iter(self._released))]
+
+    def release_unclaimed(self, req_id: str) -> bool:
+        """:meth:`release` ``req_id`` unless a claim of it was granted (a consumer may be
+        reading its blocks: they stay until its notification); whether it was released."""
+        with self._lock:  # one lock: no claim is granted between the check and the release
+            held = self._held.get(req_id)
+            if held is None or held.claimed:
+                return False
+            self._release(req_id)
+            return True
 
     def ticket_of(self, req_id: str) -> str | None:
         """The ticket ``req_id`` is held under, or ``None``."""

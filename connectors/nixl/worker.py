@@ -144,6 +144,9 @@ class NixlWorker(KVConnectorWorker):
         for send in metadata.sends:
             if self.sends.hold(send.req_id, now, send.ticket, again=metadata.resent):
                 self.book.hold(send.req_id, send.ticket, send.block_ids)
+        for req_id in metadata.releases:  # its consumer refused: free it unless read
+            if self.book.release_unclaimed(req_id) and self.sends.release(req_id, now):
+                self._done_sending.add(req_id)
         for spec in metadata.reads:
             if spec.req_id not in self._seen:  # else resent: this rank has or had it
                 self._seen[spec.req_id] = now

@@ -189,6 +189,19 @@ class AsyncEngine:
         self._wakeup.set()
         return stream
 
+    def release_transfer(self, kv_transfer_params: object) -> bool:
+        """Free at once what this engine holds for a KV transfer whose receiver refused
+        the request (the ``kv_transfer_params`` this engine answered); whether anything
+        was freed. Not thread-safe: call it from the engine's event loop.
+
+        Raises:
+            InvalidRequestError: ``kv_transfer_params`` is not a small JSON object.
+        """
+        freed = self.core.release_transfer(kv_transfer_params)
+        if freed:
+            self._wakeup.set()
+        return freed
+
     def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with ``finish_reason="abort"``. Thread-safe."""
         self._request_abort(request_id)

@@ -6,7 +6,6 @@ the step loop) and, through it, by :class:`~pipeline.engine.llm.LLM`.
 
 from __future__ import annotations
 
-import itertools
 import math
 import uuid
 from collections.abc import Iterable
@@ -34,6 +33,7 @@ from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.tokenizer import load_tokenizer
+from pipeline.transfer_params import check_transfer_params
 from stages.fan_in import FanInAggregator
 from stages.forward.builtin import tokenizer_dir
 from stages.graphs import default_engine_graph
@@ -108,7 +108,6 @@ class EngineCore:
             ),
         )
         self.async_scheduling = config.async_scheduling
-        self._ids = itertools.count()
         self._closed = False
         try:  # last: nothing after it can fail and leave its thread running
             self.kv_events = start_kv_events(
@@ -132,7 +131,9 @@ class EngineCore:
     # ----------------------------------------------------------------- requests
 
     def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
+        """A fresh request id, ``req-`` and a uuid4's hex: unguessable, since an id names
+        a request's held KV to a connector and is shown to clients (``cmpl-<id>``)."""
+        return f"req-{uuid.uuid4().hex}"
 
     def validate_prompt(self, prompt: object) -> list[int]:
         """Return the prompt as token ids, or raise ``InvalidRequestError`` naming it
@@ -185,8 +186,23 @@ class EngineCore:
             arrival_time=arrival_time,
             kv_transfer_params=kv_transfer_params,
         )
+        if self.connector is not None:
+            self.connector.check_request(request)
         self.scheduler.add_request(request)
         self.output_text.add(request_id, params)
+
+    def release_transfer(self, kv_transfer_params: object) -> bool:
+        """Free what the connector holds for a transfer its receiver refused
+        (:meth:`~connectors.base.KVConnectorScheduler.release_transfer`); whether
+        anything is freed.
+
+        Raises:
+            InvalidRequestError: ``kv_transfer_params`` is not a small JSON object.
+        """
+        params = check_transfer_params(kv_transfer_params)
+        if self.connector is None or params is None:
+            return False
+        return self.connector.release_transfer(params)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         aborted = self.scheduler.abort_requests(request_ids)

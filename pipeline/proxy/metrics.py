@@ -110,6 +110,14 @@ class ProxyMetrics:
             "and the engines set them)",
             registry=reg,
         )
+        self.transfers_released = Counter(
+            "kvstep_proxy_kv_transfers_released",
+            "Prefills whose held KV the proxy asked the producer to free at once because "
+            "the consumer refused or failed the request, by the producer's answer "
+            "(released, not_held, failed)",
+            ["result"],
+            registry=reg,
+        )
 
     def render(
         self,

@@ -25,20 +25,25 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
+import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pipeline.errors import InvalidRequestError
+from pipeline.proxy.pool import Backend
 from pipeline.proxy.relay import RelayResponse
 from pipeline.proxy.upstream import Hop, Sent, bad_gateway
 from pipeline.server.body import read_body
 from pipeline.server.errors import request_id, short_value
+from pipeline.server.kv_transfer import RELEASE_PATH
 
 __all__ = ["chat_completions", "completions"]
 
 # Headers of a backend's answer the client gets; the rest (framing, the backend's own
 # request id, Date, Server) is the proxy's.
 _ANSWER_HEADERS = ("content-type", "cache-control", "x-kvstep-ignored-fields")
+_RELEASE_TIMEOUT_S = 5.0
 
 
 async def completions(request: Request) -> Response:
@@ -71,10 +76,42 @@ async def _route(request: Request, path: str) -> Response:
     prefilled = await _prefill(state.prefill, path, body, headers, rid, state.timeout_s, hashes)
     if isinstance(prefilled, Response):
         return prefilled
+    params, producer = prefilled
     decode_body = dict(body)
-    if prefilled:
-        decode_body["kv_transfer_params"] = prefilled
-    return await _forward(state.decode, path, decode_body, headers, rid, state.timeout_s, hashes)
+    if params:
+        decode_body["kv_transfer_params"] = params
+    try:
+        answer = await _forward(
+            state.decode, path, decode_body, headers, rid, state.timeout_s, hashes
+        )
+    except BaseException:
+        if params:  # the consumer never took the request: nobody will read the blocks
+            await _release(state, producer, params, headers, rid)
+        raise
+    if params and answer.status_code >= 400:  # refused (a 4xx: too long, a bad field)
+        await _release(state, producer, params, headers, rid)
+    return answer
+
+
+async def _release(
+    state: Any, producer: Backend, params: dict[str, Any], headers: dict[str, str], rid: str
+) -> None:
+    """Ask ``producer`` to free the blocks it holds for ``params`` now, not after its
+    lease (bounded, shielded: it runs on the way out of a failed request too)."""
+    hop: Hop = state.prefill
+    result = "failed"
+    with anyio.move_on_after(_RELEASE_TIMEOUT_S, shield=True):
+        try:
+            answer = await hop.client.post(
+                producer.url + RELEASE_PATH, json={"kv_transfer_params": params}, headers=headers
+            )
+            released = answer.status_code == 200 and answer.json().get("released") is True
+            result = "released" if released else "not_held"
+            if answer.status_code != 200:
+                hop.failed(producer, "release", f"status {answer.status_code}", rid)
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            hop.failed(producer, "release", exc, rid)
+    state.metrics.transfers_released.labels(result).inc()
 
 
 async def _forward(
@@ -104,8 +141,9 @@ async def _prefill(
     rid: str,
     timeout: float,
     hashes: Sequence[Any],
-) -> dict[str, Any] | Response | None:
-    """The producer's ``kv_transfer_params`` (``None`` when it gave none), or its 4xx."""
+) -> tuple[dict[str, Any] | None, Backend] | Response:
+    """The producer's ``kv_transfer_params`` (``None`` when it gave none) and the
+    producer that answered them, or its 4xx."""
     prefill_body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     prefill_body.pop("stream_options", None)  # only allowed with stream: true
     # One generated token. kvstep's chat refuses max_tokens beside max_completion_tokens,
@@ -125,7 +163,7 @@ async def _prefill(
     if params is not None and not isinstance(params, dict):
         hop.failed(sent.backend, "response", f"kv_transfer_params={params!r:.80}", rid)
         raise bad_gateway(hop.pool.name, rid)
-    return params
+    return params, sent.backend
 
 
 def _answer(hop: Hop, sent: Sent, content: bytes, rid: str) -> Response:

@@ -22,6 +22,7 @@ from pipeline.logs import get_logger
 from pipeline.server.chat import chat_completions
 from pipeline.server.completions import completions
 from pipeline.server.errors import error_body, exception_handlers
+from pipeline.server.kv_transfer import RELEASE_PATH, release_transfer
 from pipeline.server.metrics import LoopLagMonitor, ServerMetrics
 from pipeline.server.middleware import GuardMiddleware
 from pipeline.server.options import ServerOptions
@@ -44,7 +45,9 @@ class ServerState:
         metrics: This app's Prometheus metrics.
         lag: The event-loop lag monitor of the serving loop.
         tokenizer: A Hugging Face tokenizer, or ``None`` (token-id prompts only).
-        options: The server's limits (body cap, timeouts, API key).
+        options: The server's limits (body cap, timeouts, API key, request shares).
+        max_num_seqs: The engine's ``max_num_seqs`` (a request's choices are capped at
+            ``options.max_choices(max_num_seqs)``).
         encoder: Encodes text prompts (off the loop, refusing what cannot fit).
         parse_limiter: Worker threads for parsing large bodies, apart from the
             engine's own threads so a flood of bodies cannot starve its steps.
@@ -58,6 +61,7 @@ class ServerState:
         tokenizer: Any = None,
         max_model_len: int,
         options: ServerOptions | None = None,
+        max_num_seqs: int = 64,
     ) -> None:
         self.engine: AsyncEngine | None = None
         self.model_name = model_name
@@ -66,6 +70,7 @@ class ServerState:
         self.tokenizer: Any = tokenizer
         self.options = options or ServerOptions()
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.encoder = PromptEncoder(tokenizer, max_model_len)
         self.parse_limiter = anyio.CapacityLimiter(2)
         self._given = given
@@ -157,6 +162,7 @@ def create_app(
         tokenizer=load_tokenizer(tokenizer_dir(config.model)),
         max_model_len=config.max_model_len,
         options=options,
+        max_num_seqs=config.max_num_seqs,
     )
 
     @contextlib.asynccontextmanager
@@ -183,6 +189,7 @@ def create_app(
             Route("/v1/models", _models, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
+            Route(RELEASE_PATH, release_transfer, methods=["POST"]),
             Route("/health", _health, methods=["GET"]),
             Route("/metrics", _metrics, methods=["GET"]),
         ],
