@@ -94,7 +94,8 @@ def config_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 def serve_config(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration of ``kvstep serve``: the config flags, and ``--kv-role``
-    as the ``nixl`` connector in that role.
+    as the ``nixl`` connector in that role (``--kv-transfer-key-env`` and ``--kv-peers``
+    as its ``transfer_key_env`` and ``peers`` options).
 
     Raises:
         InvalidConfigError: ``--kv-role`` with another ``--connector``, or with a
@@ -115,6 +116,16 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
             )
         fields["connector"] = "nixl"
         fields["connector_options"] = {**options, "role": role}
+    for flag, option in (("kv_transfer_key_env", "transfer_key_env"), ("kv_peers", "peers")):
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if role is None:
+            raise InvalidConfigError(flag, value, "is an option of --kv-role (the nixl connector)")
+        options = fields["connector_options"]
+        if option in options and options[option] != value:
+            raise InvalidConfigError(flag, value, f"differs from connector_options {option!r}")
+        fields["connector_options"] = {**options, option: value}
     return EngineConfig(**fields)
 
 

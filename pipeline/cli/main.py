@@ -67,6 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(kvstep[nixl]; --connector-options adds the others, e.g. the side-channel "
         '{"port": 5601}); default: off',
     )
+    serve.add_argument(
+        "--kv-transfer-key-env",
+        metavar="NAME",
+        default=None,
+        help="with --kv-role: the environment variable holding the key that producers "
+        "and consumers share (side channel and transfer tickets are signed with it; "
+        "e.g. `openssl rand -hex 32`); default: this user's key file in kvstep's cache "
+        "directory, which engines of one user on one host share",
+    )
+    serve.add_argument(
+        "--kv-peers",
+        metavar="HOST:PORT",
+        nargs="+",
+        default=None,
+        help="with --kv-role consumer: the producers' side-channel addresses (rank 0) "
+        "this engine may read KV from; default: any producer on this host (loopback)",
+    )
     _add_server_flags(serve)
 
     proxy = sub.add_parser(

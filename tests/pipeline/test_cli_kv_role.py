@@ -42,3 +42,21 @@ def test_an_unknown_role_is_an_argparse_error(capsys: pytest.CaptureFixture[str]
 def test_a_conflict_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--kv-role", "consumer", "--connector", "offload"]) == 2
     assert "kv_role" in capsys.readouterr().err
+
+
+def test_the_transfer_key_and_peers_are_nixl_options() -> None:
+    """--kv-transfer-key-env and --kv-peers become the nixl connector's options."""
+    config = _config(
+        "--kv-role", "consumer", "--kv-transfer-key-env", "KV_KEY",
+        "--kv-peers", "10.0.0.5:5600", "10.0.0.6:5600",
+    )  # fmt: skip
+    assert config.connector_options == {
+        "role": "consumer",
+        "transfer_key_env": "KV_KEY",
+        "peers": ["10.0.0.5:5600", "10.0.0.6:5600"],
+    }
+
+
+def test_the_transfer_flags_need_a_role() -> None:
+    with pytest.raises(InvalidConfigError, match="kv_peers"):
+        _config("--kv-peers", "127.0.0.1:5600")
