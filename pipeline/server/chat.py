@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pipeline.errors import InvalidRequestError
 from pipeline.request import RequestOutput
@@ -37,11 +37,13 @@ from pipeline.server.choices import (
     usage,
     with_transfer_params,
 )
-from pipeline.server.completions import model_not_found
+from pipeline.server.completions import logprob_entries, model_not_found
 from pipeline.server.errors import arrival_time, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
+from pipeline.server.limits import check_choices, check_prompt_logprobs
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
 from pipeline.server.prompts import fit_max_tokens
+from pipeline.server.reply import json_reply
 from pipeline.server.schemas import SharedFields, parse_shared_fields
 
 if TYPE_CHECKING:
@@ -64,8 +66,10 @@ async def chat_completions(request: Request) -> Response:
     note_ignored_fields(request, fields.ignored)
     if fields.model is not None and fields.model != state.model_name:
         return model_not_found(state, fields.model)
+    check_choices(state.options, state.max_num_seqs, fields.n, 1)
     text = render_chat(state.tokenizer, messages)
     prompt = await state.encoder.encode(text)
+    check_prompt_logprobs(state.options, fields.params.prompt_logprobs, [len(prompt)], fields.n)
     params = fit_max_tokens(
         fields.params, len(prompt), state.max_model_len, given=fields.max_tokens_given
     )
@@ -85,14 +89,18 @@ async def chat_completions(request: Request) -> Response:
     finals = await collect_unless_gone(request, state, streams)
     if isinstance(finals, Response):
         return finals
-    bodies = [choice.chat(out, whole=True) for choice, out in zip(choices, finals, strict=True)]
-    reply = chat_body(rid, state.model_name, bodies, usage_=usage(finals, n))
-    reply["kv_transfer_params"] = transfer_params(finals)
-    if fields.prompt_logprobs is not None:  # vLLM: one prompt, so a field of the response
-        reply["prompt_logprobs"] = prompt_logprobs_json(
-            finals[0].prompt_token_ids, finals[0].prompt_logprobs, texts
-        )
-    return JSONResponse(reply)
+
+    def build() -> dict[str, Any]:
+        bodies = [choice.chat(out, whole=True) for choice, out in zip(choices, finals, strict=True)]
+        reply = chat_body(rid, state.model_name, bodies, usage_=usage(finals, n))
+        reply["kv_transfer_params"] = transfer_params(finals)
+        if fields.prompt_logprobs is not None:  # vLLM: one prompt, so a field of the response
+            reply["prompt_logprobs"] = prompt_logprobs_json(
+                finals[0].prompt_token_ids, finals[0].prompt_logprobs, texts
+            )
+        return reply
+
+    return await json_reply(state, build, entries=logprob_entries(fields, finals))
 
 
 async def _render(

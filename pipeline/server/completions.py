@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -43,14 +43,16 @@ from pipeline.server.choices import (
 )
 from pipeline.server.errors import arrival_time, error_body, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
+from pipeline.server.limits import check_choices, check_prompt_logprobs
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
 from pipeline.server.prompts import Prompt, fit_max_tokens
+from pipeline.server.reply import json_reply
 from pipeline.server.schemas import SharedFields, parse_completion_request
 
 if TYPE_CHECKING:
     from pipeline.server.app import ServerState
 
-__all__ = ["completions", "model_not_found", "refuse_stop_without_tokenizer"]
+__all__ = ["completions", "logprob_entries", "model_not_found", "refuse_stop_without_tokenizer"]
 
 
 async def completions(request: Request) -> Response:
@@ -65,8 +67,10 @@ async def completions(request: Request) -> Response:
     if fields.model is not None and fields.model != state.model_name:
         return model_not_found(state, fields.model)
     refuse_stop_without_tokenizer(state, fields)
-    prompts = [await state.encoder.encode(p) if isinstance(p, str) else p for p in parsed.prompts]
     n = fields.n
+    check_choices(state.options, state.max_num_seqs, n, len(parsed.prompts))
+    prompts = [await state.encoder.encode(p) if isinstance(p, str) else p for p in parsed.prompts]
+    check_prompt_logprobs(state.options, fields.params.prompt_logprobs, list(map(len, prompts)), n)
     params = []
     for prompt in prompts:
         fitted = fit_max_tokens(
@@ -94,17 +98,33 @@ async def completions(request: Request) -> Response:
     finals = await collect_unless_gone(request, state, streams)
     if isinstance(finals, Response):
         return finals
-    bodies = []
-    for choice, out in zip(choices, finals, strict=True):
-        one = choice.completion(out, whole=True)
-        if fields.prompt_logprobs is not None:
-            one["prompt_logprobs"] = prompt_logprobs_json(
-                out.prompt_token_ids, out.prompt_logprobs, texts
-            )
-        bodies.append(one)
-    reply = completion_body(rid, state.model_name, bodies, usage_=usage(finals, n))
-    reply["kv_transfer_params"] = transfer_params(finals)
-    return JSONResponse(reply)
+
+    def build() -> dict[str, Any]:
+        bodies = []
+        for choice, out in zip(choices, finals, strict=True):
+            one = choice.completion(out, whole=True)
+            if fields.prompt_logprobs is not None:
+                one["prompt_logprobs"] = prompt_logprobs_json(
+                    out.prompt_token_ids, out.prompt_logprobs, texts
+                )
+            bodies.append(one)
+        reply = completion_body(rid, state.model_name, bodies, usage_=usage(finals, n))
+        reply["kv_transfer_params"] = transfer_params(finals)
+        return reply
+
+    return await json_reply(state, build, entries=logprob_entries(fields, finals))
+
+
+def logprob_entries(fields: SharedFields, finals: Sequence[RequestOutput]) -> int:
+    """About how many logprob entries a whole response of ``finals`` holds (its prompt
+    logprobs and its tokens' logprobs, alternatives included): what makes a body large."""
+    entries = 0
+    if fields.params.prompt_logprobs is not None:
+        per_token = fields.params.prompt_logprobs + 1
+        entries += per_token * sum(len(out.prompt_token_ids) for out in finals)
+    if fields.logprobs is not None:
+        entries += (fields.logprobs + 1) * sum(len(out.token_ids) for out in finals)
+    return entries
 
 
 def model_not_found(state: ServerState, model: str) -> Response:

@@ -9,8 +9,15 @@ sampling) so that the copies differ.
 
 As in vLLM, the requests succeed or fail together: one refused at admission (a bad
 token id, a full queue) refuses the whole HTTP request, and one that fails in the engine
-ends the whole response with an error (non-streaming: the error response; streaming: an
-error event, no ``[DONE]``), aborting the others. A client that goes away aborts them
+ends the whole response with an error, aborting the others. A request fails in the
+engine when its step failed or its KV could not be loaded under
+``load_failure_policy="fail"`` (its last output has ``finish_reason="error"``), or when
+the engine died. Non-streaming, that is a 5xx, never a 200 with ``"error"`` as a finish
+reason, so that a client or a proxy retries it: 500 ``request_failed`` (the engine
+still serves) or 503 ``engine_unavailable``. Streaming, the 200 and the first chunks
+are already sent: the stream ends with an error event of the same shape and no
+``[DONE]``. Either way the message is generic and carries the request id; the cause is
+in the log. A client that goes away aborts them
 all: a stream when its response task is cancelled, a non-streaming request when the ASGI
 receive channel reports ``http.disconnect`` while its outputs are being collected.
 """
@@ -35,7 +42,7 @@ from pipeline.errors import EngineDeadError, InvalidRequestError
 from pipeline.logs import get_logger
 from pipeline.request import RequestOutput
 from pipeline.server.body import CLIENT_CLOSED
-from pipeline.server.errors import error_body, request_id
+from pipeline.server.errors import HTTPProblem, error_body, request_id
 
 if TYPE_CHECKING:
     from pipeline.server.app import ServerState
@@ -86,6 +93,17 @@ async def admit(
     return streams
 
 
+def failed_in_engine(out: RequestOutput, http_id: str) -> HTTPProblem:
+    """The 500 of a request that ended with ``finish_reason="error"`` (logged with its
+    cause, which the response does not carry)."""
+    _log.warning(
+        "request_failed_in_engine", request_id=http_id, engine_request=out.request_id,
+        error=out.error,
+    )  # fmt: skip
+    message = f"the request failed in the engine; retry it (request id {http_id})"
+    return HTTPProblem(500, message, kind="server_error", code="request_failed")
+
+
 def count_finished(state: ServerState, out: RequestOutput) -> None:
     """Count a finished request in the server's metrics."""
     state.metrics.observe_finished(out)
@@ -109,7 +127,7 @@ async def collect_unless_gone(
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch_disconnect, tg.cancel_scope)
             try:
-                result.append(await _collect(state, streams, settled))
+                result.append(await _collect(state, streams, settled, request_id(request)))
             except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
                 failed.append(exc)
             tg.cancel_scope.cancel()
@@ -132,7 +150,7 @@ async def collect_unless_gone(
 
 
 async def _collect(
-    state: ServerState, streams: list[RequestStream], settled: set[int]
+    state: ServerState, streams: list[RequestStream], settled: set[int], http_id: str
 ) -> list[RequestOutput]:
     lasts: list[RequestOutput | None] = [None] * len(streams)
     failed: list[Exception] = []
@@ -145,6 +163,9 @@ async def _collect(
                 lasts[index] = out
                 if out.finished:
                     settled.add(index)
+                if out.finished and out.finish_reason == "error":
+                    count_finished(state, out)
+                    raise failed_in_engine(out, http_id)
         except Exception as exc:  # one request failed: the whole response fails
             settled.add(index)
             failed.append(exc)
@@ -173,8 +194,9 @@ class FanInStream(StreamingResponse):
     """Server-sent events of several requests, their outputs interleaved as they come.
 
     One task per request forwards its outputs to a channel; ``render`` turns them into
-    events (it sees every output with new tokens, and each last output). An engine
-    failure ends the events with an ``engine_unavailable`` error event. When the
+    events (it sees every output with new tokens, and each last output but a failed
+    one). A dead engine ends the events with an ``engine_unavailable`` error event, a
+    request that failed in the engine with a ``request_failed`` one (no ``[DONE]``). When the
     response ends for any reason (done, client gone, a request failed), the requests
     not finished are aborted and counted as such.
     """
@@ -191,6 +213,7 @@ class FanInStream(StreamingResponse):
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._http_id = str(scope.get("state", {}).get("kvstep_request_id", "-"))
         channel, output = anyio.create_memory_object_stream[_Item](math.inf)
         self._send: MemoryObjectSendStream[_Item] = channel
         self._receive: MemoryObjectReceiveStream[_Item] = output
@@ -234,6 +257,8 @@ class FanInStream(StreamingResponse):
             previous[index] = self._state.metrics.observe_tokens(item, previous.get(index))
             if item.finished:
                 count_finished(self._state, item)
+            if item.finished and item.finish_reason == "error":
+                raise failed_in_engine(item, self._http_id)
             yield index, item
 
     async def _events(self) -> AsyncIterator[str]:
@@ -246,3 +271,5 @@ class FanInStream(StreamingResponse):
             )
             message = f"the engine is unavailable (request {self._failed})"
             yield sse(error_body(message, "service_unavailable_error", "engine_unavailable"))
+        except HTTPProblem as exc:  # a request failed in the engine: the 200 is sent
+            yield sse(error_body(str(exc), exc.kind, exc.code, exc.param))

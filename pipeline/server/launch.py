@@ -112,6 +112,19 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         help="connections + requests at once; 503 past it (0: no limit)",
     )
     parser.add_argument(
+        "--max-request-share",
+        type=float,
+        default=defaults.max_request_share,
+        help="share of --max-num-seqs one request's choices (n x prompts) may take; 400 past it",
+    )
+    parser.add_argument(
+        "--max-prompt-logprobs",
+        type=int,
+        default=defaults.max_prompt_logprobs,
+        help="most prompt logprob values per request (prompt tokens x (prompt_logprobs + 1), "
+        "over its choices); 400 past it",
+    )
+    parser.add_argument(
         "--access-log",
         action="store_true",
         help="log one line per request (uvicorn's access log, on stdout; default: off)",
@@ -127,6 +140,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         "header_timeout_s": args.header_timeout,
         "timeout_keep_alive_s": args.timeout_keep_alive,
         "limit_concurrency": args.limit_concurrency or None,
+        "max_request_share": args.max_request_share,
+        "max_prompt_logprobs": args.max_prompt_logprobs,
     }
     return ServerOptions.from_env(**fields)
 

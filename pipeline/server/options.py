@@ -30,6 +30,10 @@ def _int_at_least(low: int, *, optional: bool = False) -> Any:
     return check
 
 
+def _share(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    check_float(attribute.name, value, InvalidConfigError, lo=0.0, hi=1.0, lo_open=True)
+
+
 def _api_key(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is None:
         return
@@ -54,6 +58,13 @@ class ServerOptions:
         timeout_keep_alive_s: How long an idle keep-alive connection is kept open.
         limit_concurrency: Connections plus in-flight requests uvicorn serves at once;
             past it uvicorn answers 503 (plain text) at once. ``None``: no limit.
+        max_request_share: The share of the engine's ``max_num_seqs`` that one HTTP
+            request's choices (``n`` times its prompts) may take, in ``(0, 1]``: at most
+            ``max(1, floor(share * max_num_seqs))`` choices, a 400 naming ``n`` past it,
+            so that one request cannot hold every scheduler slot while others wait.
+        max_prompt_logprobs: The most prompt logprob values one request may ask for:
+            its choices' prompt tokens times ``prompt_logprobs + 1`` (the token's own
+            and its alternatives), summed; a 400 naming ``prompt_logprobs`` past it.
     """
 
     api_key: str | None = attrs.field(default=None, repr=False, validator=_api_key)
@@ -64,6 +75,8 @@ class ServerOptions:
     limit_concurrency: int | None = attrs.field(
         default=1024, validator=_int_at_least(1, optional=True)
     )
+    max_request_share: float = attrs.field(default=0.5, validator=_share)
+    max_prompt_logprobs: int = attrs.field(default=100_000, validator=_int_at_least(1))
 
     @classmethod
     def from_env(cls, **fields: Any) -> ServerOptions:
@@ -71,6 +84,10 @@ class ServerOptions:
         if fields.get("api_key") is None:
             fields["api_key"] = os.environ.get(API_KEY_ENV) or None
         return cls(**fields)
+
+    def max_choices(self, max_num_seqs: int) -> int:
+        """The most choices one request may have on an engine of ``max_num_seqs``."""
+        return max(1, math.floor(self.max_request_share * max_num_seqs))
 
     def api_key_bytes(self) -> bytes | None:
         """The key as bytes, for ``hmac.compare_digest``."""
