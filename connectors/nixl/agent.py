@@ -72,6 +72,8 @@ class KVAgent:
         tp_rank: This rank.
         tp_size: Number of ranks.
         kv_caches: The rank's cache, one tensor per layer; kept, never resized.
+        devices: The network devices UCX may use (``"lo"``: loopback only; ``""``:
+            every interface).
 
     Raises:
         InvalidConfigError: A cache tensor that is not contiguous, or layers that differ
@@ -87,6 +89,7 @@ class KVAgent:
         tp_rank: int,
         tp_size: int,
         kv_caches: Sequence[torch.Tensor],
+        devices: str = "",
     ) -> None:
         _check_layout(kv_caches)
         first = kv_caches[0]
@@ -94,7 +97,7 @@ class KVAgent:
         self.name = f"{engine_id}/rank{tp_rank}"
         self._caches = list(kv_caches)
         self.huge_page_bytes = back_with_huge_pages(self._caches)  # faster host READs
-        self._agent = new_agent(self.name)  # its progress thread sleeps, never spins
+        self._agent = new_agent(self.name, devices)  # its progress thread sleeps, never spins
         self._reg = self._agent.register_memory(self._caches)
         self._peers: dict[str, _Peer] = {}
         self._closed = False

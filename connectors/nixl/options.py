@@ -20,6 +20,11 @@ Options (``EngineConfig.connector_options``)::
     peers                the producers a consumer may read from: a list of
                          "host:port" side-channel addresses (rank 0's); default
                          ``None``: any producer on this host (a loopback address)
+    ucx_devices          the network devices UCX may listen and connect on
+                         (``UCX_NET_DEVICES``, e.g. "eth0" or "mlx5_0:1", unless that
+                         variable is set); default: "lo"
+                         (loopback only) when ``host`` and every peer are on this
+                         host, else every interface
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ NIXL_OPTIONS = (
     "lease_s",
     "transfer_key_env",
     "peers",
+    "ucx_devices",
 )
 """Every option the nixl connector accepts."""
 
@@ -76,6 +82,7 @@ class NixlOptions:
     lease_s: float = 60.0
     transfer_key_env: str | None = None
     peers: frozenset[tuple[str, int]] | None = None
+    ucx_devices: str = ""
 
     def allows(self, host: str, port: int) -> str:
         """Why a consumer must not connect to the producer at ``host:port``, or ``""``."""
@@ -136,6 +143,7 @@ class NixlOptions:
         host = _name(
             "connector_options['host']", options.get("host", "127.0.0.1"), InvalidConfigError
         )
+        peers = _peers(options.get("peers"))
         port = check_int(
             "connector_options['port']",
             options.get("port", 5600),
@@ -155,7 +163,8 @@ class NixlOptions:
             read_timeout_s=seconds("read_timeout_s", 30.0),
             lease_s=seconds("lease_s", 60.0),
             transfer_key_env=_key_env(options.get("transfer_key_env")),
-            peers=_peers(options.get("peers")),
+            peers=peers,
+            ucx_devices=_devices(options.get("ucx_devices"), host, peers),
         )
 
 
@@ -184,6 +193,18 @@ def _peers(value: object) -> frozenset[tuple[str, int]] | None:
             raise InvalidConfigError(field, item, 'a "host:port" side-channel address')
         out.add((_name(field, host.strip("[]"), InvalidConfigError), int(port)))
     return frozenset(out)
+
+
+def _devices(value: object, host: str, peers: frozenset[tuple[str, int]] | None) -> str:
+    """``ucx_devices``, or by default loopback when nothing of this engine's is elsewhere."""
+    if value is not None:
+        if not isinstance(value, str) or not value or not value.isprintable():
+            raise InvalidConfigError(
+                "connector_options['ucx_devices']", value, 'a device list such as "eth0"'
+            )
+        return value
+    local = _loopback(host) and all(_loopback(h) for h, _ in peers or ())
+    return "lo" if local else ""
 
 
 def _loopback(host: str) -> bool:

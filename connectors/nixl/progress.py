@@ -19,7 +19,10 @@ for the duration of that one call, under a lock. Where that is not possible (ano
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["PROGRESS_DELAY_US", "new_agent"]
@@ -51,8 +54,10 @@ def _sleeping_config(base: type) -> type:
     return SleepingConfig
 
 
-def new_agent(name: str) -> Any:
-    """A ``nixl_cu12`` agent named ``name`` on the UCX backend (see the module docstring).
+def new_agent(name: str, devices: str = "") -> Any:
+    """A ``nixl_cu12`` agent named ``name`` on the UCX backend (see the module docstring),
+    on the network ``devices`` UCX may use (``UCX_NET_DEVICES``: e.g. ``"lo"`` keeps its
+    sockets on loopback; ``""``: every interface, UCX's default).
 
     Blocks while NIXL starts (UCX context, workers, threads). Thread-safe.
 
@@ -62,7 +67,7 @@ def new_agent(name: str) -> Any:
     from nixl_cu12 import _api, nixl_agent, nixl_agent_config
 
     config = nixl_agent_config(backends=["UCX"])
-    with _LOCK:
+    with _LOCK, _net_devices(devices):
         bindings = getattr(_api, "nixlBind", None)
         base = getattr(bindings, "nixlAgentConfig", None)
         try:
@@ -76,3 +81,19 @@ def new_agent(name: str) -> Any:
             return nixl_agent(name, config)
         finally:
             _api.nixlBind = bindings
+
+
+@contextlib.contextmanager
+def _net_devices(devices: str) -> Iterator[None]:
+    """``UCX_NET_DEVICES=devices`` while the agent's UCX context is made (UCX reads its
+    configuration from the environment then; the backend's ``ucx_devices`` parameter
+    does not reach it in ``nixl_cu12``), unless the variable is set already: an
+    operator's own setting wins. Under :data:`_LOCK` (the environment is the process's)."""
+    if not devices or "UCX_NET_DEVICES" in os.environ:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        os.environ.pop("UCX_NET_DEVICES", None)

@@ -126,6 +126,7 @@ class NixlWorker(KVConnectorWorker):
             tp_rank=ctx.rank,
             tp_size=ctx.world_size,
             kv_caches=kv_caches,
+            devices=self.options.ucx_devices,
         )
         if self.options.produces:
             port = self.options.port + ctx.rank

@@ -149,3 +149,40 @@ class TestDisaggregated:
                 assert [o.metrics.num_external_tokens for o in outs] == [32, 16]
                 assert not any(wait_idle(consumer).values())
             assert not any(wait_idle(producer).values())
+
+
+def _listening_addresses(pid: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* shows them) of ``pid``'s listening
+    TCP sockets."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, ours
+                    found.add(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+def test_ucx_and_the_side_channel_listen_on_loopback_only() -> None:
+    """With default options an engine's sockets (the side channel, UCX's) listen on
+    loopback only, not on every interface (UCX_NET_DEVICES=lo while its agent starts)."""
+    import os
+
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+    with LLM(config("producer", port=free_port(), lease_s=0.3)) as producer:
+        prefill(producer, prompts()[:1])
+        addresses = _listening_addresses(os.getpid())
+        assert addresses and addresses <= loopback, addresses
+        assert not any(wait_idle(producer).values())
