@@ -8,6 +8,7 @@ the same time under pytest-xdist (``--dist loadfile``).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import re
 import time
 from collections.abc import Iterator
@@ -64,14 +65,13 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
     return list(choice["token_ids"])
 
 
-@pytest.fixture(scope="class")
-def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The README's P/D block running, a plain reference server beside it, the
-    requests sent to both, and the consumer's metrics around them."""
+@contextlib.contextmanager
+def _pd_block(tmp: Path, containing: str) -> Iterator[dict[str, Any]]:
+    """The README's P/D block that contains ``containing`` running, a plain reference
+    server beside it, the requests sent to both, and the consumer's metrics around them."""
     pytest.importorskip("nixl_cu12")
     pytest.importorskip("zmq")
-    tmp = tmp_path_factory.mktemp("pd")
-    text = readme_block("--kv-role producer")
+    text = readme_block(containing)
     prompts = [
         [5 + (i * 31 + j * 7) % 240 for j in range(_PROMPT_TOKENS)] for i in range(_NUM_REQUESTS)
     ]
@@ -97,6 +97,32 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             "alone": alone,
             "ports": _listening_ports(),
         }
+
+
+@pytest.fixture(scope="class")
+def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The README's P/D block with default options."""
+    with _pd_block(tmp_path_factory.mktemp("pd"), "# prefill; its side channel") as run:
+        yield run
+
+
+@pytest.fixture(scope="class")
+def keyed_pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The README's P/D block with a transfer key in the environment and --kv-peers."""
+    with _pd_block(tmp_path_factory.mktemp("pd_key"), "--kv-transfer-key-env") as run:
+        yield run
+
+
+class TestKeyedDisaggregationCommands:
+    """The README's P/D block of "Running P/D and routing safely" (a shared transfer key
+    from the environment, the consumer's --kv-peers), typed as is, on one host."""
+
+    def test_kv_moves_and_tokens_equal_a_single_servers(self, keyed_pd_run: dict[str, Any]) -> None:
+        sent, delta = keyed_pd_run["sent"], keyed_pd_run["delta"]
+        block: BlockProcess = keyed_pd_run["block"]
+        assert delta["kvstep_scheduled_tokens_total"] < 0.3 * sent, block.tail()
+        assert delta["kvstep_kv_loaded_tokens_total"] >= 0.8 * sent, block.tail()
+        assert keyed_pd_run["via_proxy"] == keyed_pd_run["alone"]
 
 
 class TestDisaggregationCommands:
