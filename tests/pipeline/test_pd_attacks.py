@@ -172,3 +172,31 @@ class TestForgedParams:
             with pytest.raises(TimeoutError):
                 listener.accept()
         assert took < 5.0
+
+    def test_silent_handshakes_cannot_disable_pd_for_everyone(self, procs: Any) -> None:
+        """Medium: 64 requests naming silent ports (which would each start a handshake
+        that never ends, and fill the bound on handshakes in flight) are refused at the
+        door; a user's request through the proxy still moves its KV."""
+        attacker = secret(7)
+        mine = own_params(procs, attacker)
+        silent = []
+        try:
+            for _ in range(8):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", 0))
+                sock.listen(64)  # connections complete in the kernel, nothing is read
+                silent.append(sock)
+            for i in range(64):
+                port = silent[i % 8].getsockname()[1]
+                forged = {**mine, "remote_port": port, "remote_engine_id": f"silent-{i}"}
+                answer = complete(procs.urls["consumer"], attacker, kv_transfer_params=forged)
+                refused(answer, "ticket")
+        finally:
+            for sock in silent:
+                sock.close()
+        before = ex.loaded(procs)
+        user = [5 + (j * 7) % 240 for j in range(200)]
+        assert tokens(complete(procs.urls["proxy"], user)) == tokens(
+            complete(procs.urls["reference"], user)
+        )
+        assert ex.loaded(procs) - before >= 12 * BS  # its prompt's KV came from the producer
