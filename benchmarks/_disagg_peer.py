@@ -18,6 +18,7 @@ import torch
 
 from connectors.nixl.agent import KVAgent
 from connectors.nixl.handshake import HandshakeServer
+from connectors.nixl.transfer_key import TransferKey
 
 FINGERPRINT = "disagg-bench"
 
@@ -40,7 +41,8 @@ def main(argv: list[str]) -> None:
         tp_size=1,
         kv_caches=caches,
     )
-    server = HandshakeServer(agent.info, "127.0.0.1", 0)
+    # this user's key file: the benchmark's consumer reads the same one
+    server = HandshakeServer(agent.info, "127.0.0.1", 0, TransferKey.default())
     try:
         print(f"PORT {server.port}", flush=True)
         sys.stdin.read()  # until the benchmark closes our stdin (or exits)

@@ -117,6 +117,7 @@ def measure(shape: KVShape, prompt_len: int, repeats: int) -> dict[str, Any]:
     from connectors.nixl.agent import KVAgent, _runs
     from connectors.nixl.handshake import fetch_peer_info
     from connectors.nixl.hugepages import back_with_huge_pages
+    from connectors.nixl.transfer_key import TransferKey
 
     count = (prompt_len - 1) // shape.block_size  # what the connector reads
     blocks = count + 1
@@ -134,7 +135,7 @@ def measure(shape: KVShape, prompt_len: int, repeats: int) -> dict[str, Any]:
     )
     try:
         with producer(shape, blocks) as port:
-            info = fetch_peer_info("127.0.0.1", port, 10.0)
+            info = fetch_peer_info("127.0.0.1", port, 10.0, key=TransferKey.default())
             agent.add_peer(info)
 
             posts: list[float] = []
