@@ -21,6 +21,7 @@ import anyio
 import attrs
 import httpx
 import numpy as np
+from _routing_trace import launch_traced, summarize_trace
 from _serve_client import (
     ClientRecord,
     RequestSpec,
@@ -40,6 +41,29 @@ READY_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 180.0
 
 
+@attrs.frozen
+class Scenario:
+    """One workload of ``routing.py``, run under every policy.
+
+    Attributes:
+        name: Its ``--scenarios`` name.
+        specs: Its requests, in the order sent.
+        warmup: Prompts of :func:`warm_up` (sharing nothing with ``specs``).
+        num_gpu_blocks: Each replica's KV cache, in blocks.
+        clients: Closed-loop clients, or ``None`` (each request at its time).
+        workload: Its parameters, for the JSON.
+        hash_times: Seconds to tokenize and hash each prompt of ``specs`` here.
+    """
+
+    name: str
+    specs: list[RequestSpec]
+    warmup: list[RequestSpec]
+    num_gpu_blocks: int
+    clients: int | None
+    workload: dict[str, Any]
+    hash_times: list[float]
+
+
 @attrs.frozen(kw_only=True)
 class Setup:
     """The processes of one policy's run.
@@ -52,6 +76,11 @@ class Setup:
             prompts share nothing with the workload's).
         server_args: More ``kvstep serve`` flags.
         health_interval_s: The proxy's ``--health-interval``.
+        clients: Send the workload from this many closed-loop clients (each sends its
+            next request when its last one finished), or ``None``: each request at its
+            ``send_at_s``.
+        trace: Run the proxy under ``_routing_trace.py``: every decision and every event
+            batch it applied go to ``proxy.trace.jsonl`` in the logs folder.
     """
 
     num_gpu_blocks: int
@@ -60,6 +89,8 @@ class Setup:
     warmup: int = 2
     server_args: tuple[str, ...] = ()
     health_interval_s: float = 0.5
+    clients: int | None = None
+    trace: bool = False
 
 
 @contextlib.contextmanager
@@ -80,7 +111,11 @@ def cluster(setup: Setup, policy: str, logs: Path) -> Iterator[tuple[str, list[s
         urls = [r.url for r in replicas]
         args = ["--backend", *urls, "--policy", policy, "--tokenizer", MODEL]
         args += ["--health-interval", str(setup.health_interval_s)]
-        router = stack.enter_context(launch("proxy", args, logs / "proxy.log", env))
+        if setup.trace:
+            args += ["--trace", str(logs / "proxy.trace.jsonl")]
+            router = stack.enter_context(launch_traced(args, logs / "proxy.log", env))
+        else:
+            router = stack.enter_context(launch("proxy", args, logs / "proxy.log", env))
         deadline = time.monotonic() + START_TIMEOUT_S
         for started in (*replicas, router):
             started.wait_healthy(deadline)
@@ -136,13 +171,47 @@ def run_policy(
         warm_up(setup, policy, url, replicas, warmup)
         before = [Scrape.of(r) for r in replicas], Scrape.of(url)
         load_before = os.getloadavg()[0]
-        run = anyio.run(run_workload, url, specs)
+        since = time.monotonic()
+        if setup.clients is None:
+            run = anyio.run(run_workload, url, specs)
+        else:
+            run = anyio.run(run_closed_loop, url, specs, setup.clients)
         after = [Scrape.of(r) for r in replicas], Scrape.of(url)
         load_after = os.getloadavg()[0]
     deltas = [a.since(b) for a, b in zip(after[0], before[0], strict=True)]
-    result = summarize(policy, run, deltas, after[1].since(before[1]))
+    proxied = after[1].since(before[1])
+    result = summarize(policy, run, deltas, proxied)
+    result["proxy_hit_estimate_per_replica"] = [
+        _total(proxied, f"kvstep_proxy_routed_hit_blocks_total,backend={r}")
+        / max(1.0, _total(proxied, f"kvstep_proxy_routed_prompt_blocks_total,backend={r}"))
+        for r in replicas
+    ]
     result["load_average_1m"] = [load_before, load_after]
+    if setup.trace:
+        trace = summarize_trace(logs / policy / "proxy.trace.jsonl", replicas, since)
+        result["trace"] = trace
     return result
+
+
+async def run_closed_loop(url: str, specs: Sequence[RequestSpec], clients: int) -> WorkloadRun:
+    """Send ``specs`` in order from ``clients`` clients, each sending its next request
+    once its last one finished (``send_at_s`` is ignored); return when all are done."""
+    records: list[ClientRecord] = []
+    queue = iter(specs)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+    async def one_client(client: httpx.AsyncClient) -> None:
+        for spec in queue:  # shared: each spec is taken by one client
+            record = ClientRecord(sent=time.perf_counter())
+            records.append(record)
+            await send_one(client, spec, record)
+
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600.0) as client:
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(clients):
+                tg.start_soon(one_client, client)
+    return WorkloadRun(records, start)
 
 
 def summarize(
@@ -178,6 +247,11 @@ def summarize(
         "route_decision_mean_s": proxied.mean(DECISION),
         "proxy_hit_estimate": routed_hits / routed if routed else math.nan,
         "requests_per_replica": [_total(s, "kvstep_requests_total") for s in replicas],
+        "hit_rate_per_replica": [
+            _total(s, "kvstep_prefix_cache_hits_total")
+            / max(1.0, _total(s, "kvstep_prefix_cache_queries_total"))
+            for s in replicas
+        ],
     }
 
 

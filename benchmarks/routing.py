@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -64,8 +65,8 @@ from typing import Any
 
 import numpy as np
 from _results import RESULTS, save
-from _routing_policy import MODEL, Setup, run_policy
-from _serve_client import RequestSpec, build_workload
+from _routing_policy import MODEL, Scenario, Setup, run_policy
+from _serve_client import WORDS, RequestSpec, build_workload
 from _serve_metrics import SAMPLE_QUANTILE
 from serve import _range
 
@@ -108,15 +109,15 @@ def compare(rows: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
-def print_report(result: dict[str, Any]) -> None:
+def print_report(result: dict[str, Any], replicas: int, cpu_count: int | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=150)
     work = result["workload"]
     title = (
-        f"kvstep proxy, {result['replicas']} x {MODEL}: {work['num_requests']} requests of "
-        f"{work['num_prefixes']} tenants at {work['request_rate']:g} req/s (Poisson), "
+        f"{result['scenario']}: kvstep proxy, {replicas} x {MODEL}: {work['num_requests']} "
+        f"requests of {work['num_prefixes']} tenants, {work['arrival']}, "
         f"{result['num_gpu_blocks']} KV blocks a replica"
     )
     table = Table(title=title)
@@ -146,8 +147,33 @@ def print_report(result: dict[str, Any]) -> None:
         f"{work['mean_tenant_blocks']:.0f} blocks on average; "
         f"tokenize+hash a prompt here: p50 {_ms(result['hash_p50_s'])} ms, "
         f"p99 {_ms(result['hash_p99_s'])} ms (before the decision, not in it); "
-        f"load: 1-min load average before-after ({result['cpu_count']} CPUs)"
+        f"load: 1-min load average before-after ({cpu_count} CPUs)"
     )
+    for row in result["policies"]:
+        console.print(
+            f"{row['policy']}: hit rate per replica "
+            + " / ".join(_pct(x) for x in row["hit_rate_per_replica"])
+            + (
+                ", the proxy's estimate "
+                + " / ".join(_pct(x) for x in row["proxy_hit_estimate_per_replica"])
+                if row["policy"] == "kv-aware"
+                else ""
+            )
+        )
+        trace = row.get("trace")
+        if trace and trace.get("decisions"):
+            console.print(
+                f"  trace: {trace['decisions']} decisions, {trace['prompt_blocks']} prompt "
+                f"blocks; the index showed {trace['believed_hit_blocks']} on the chosen "
+                f"replica, it stored (computed) {trace['computed_blocks']}; first block "
+                f"announced {_ms(trace['announce_delay_p50_s'] or math.nan)} ms after the "
+                f"decision (p50); {trace['decisions_with_same_prefix_unannounced']} "
+                f"decisions while a request of the same prefix was unannounced, "
+                f"{trace['of_which_sent_elsewhere']} of them sent elsewhere; "
+                f"{trace['replicas_per_prefix']:.2f} replicas per prefix, prefixes per "
+                f"replica {trace['prefixes_per_replica']}, blocks evicted "
+                f"{trace['removed_blocks_per_replica']}"
+            )
     goal = result["kv_aware_vs_round_robin"]
     if goal is not None:
         console.print(
@@ -177,10 +203,106 @@ def _policies(text: str) -> tuple[str, ...]:
     return names
 
 
+def _scenarios(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in names if p not in SCENARIOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"want some of {','.join(SCENARIOS)}, got {text!r}")
+    return names
+
+
+def poisson_scenario(args: argparse.Namespace) -> Scenario:
+    """The multi-tenant Poisson workload of the flags (see the module)."""
+    specs = build_workload(args, args.num_requests, args.seed)
+    warmup = build_workload(args, args.replicas * args.warmup + 1, args.seed + 1)
+    blocks, hash_times = tenant_blocks(specs)
+    share = args.cache_share if args.cache_share is not None else 1.0 / args.replicas
+    # every tenant's blocks, also those the workload happened not to draw
+    mean_blocks = statistics.mean(blocks.values())
+    num_gpu_blocks = math.ceil(share * mean_blocks * args.num_prefixes) + args.headroom_blocks
+    workload = {
+        "arrival": f"Poisson, {args.request_rate:g} req/s",
+        "num_requests": args.num_requests,
+        "request_rate": args.request_rate,
+        "seed": args.seed,
+        "num_prefixes": args.num_prefixes,
+        "prefix_words": list(args.prefix_words),
+        "suffix_words": list(args.suffix_words),
+        "output_tokens": list(args.output_tokens),
+        "mean_tenant_blocks": mean_blocks,
+        "cache_share": share,
+    }
+    return Scenario("poisson", specs, warmup, num_gpu_blocks, None, workload, hash_times)
+
+
+def pressure_scenario(args: argparse.Namespace) -> Scenario:
+    """Issue 24's memory-pressure workload (see the module)."""
+    from pipeline.tokenizer import load_tokenizer
+    from stages.forward.builtin import tokenizer_dir
+
+    tokenizer = load_tokenizer(tokenizer_dir(MODEL))
+    rng = random.Random(args.seed + 7)
+    prefixes = [
+        _prompt_of(tokenizer, rng, args.pressure_prefix_tokens)
+        for _ in range(args.pressure_prefixes)
+    ]
+    specs = []
+    for _ in range(args.pressure_requests):
+        which = rng.randrange(len(prefixes))
+        suffix = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*args.suffix_words)))
+        tokens = rng.randint(*args.output_tokens)
+        specs.append(RequestSpec(0.0, f"{prefixes[which]} {suffix}", which, tokens))
+    # warm-up prompts share nothing with the workload and are short (4 blocks)
+    warmup = [
+        RequestSpec(0.0, _prompt_of(tokenizer, rng, 4 * BLOCK_SIZE), -1, 2)
+        for _ in range(args.replicas * args.warmup + 1)
+    ]
+    blocks, hash_times = tenant_blocks(specs)
+    workload = {
+        "arrival": f"closed loop, {args.pressure_clients} clients",
+        "num_requests": args.pressure_requests,
+        "clients": args.pressure_clients,
+        "seed": args.seed,
+        "num_prefixes": args.pressure_prefixes,
+        "prefix_tokens": args.pressure_prefix_tokens,
+        "suffix_words": list(args.suffix_words),
+        "output_tokens": list(args.output_tokens),
+        "mean_tenant_blocks": statistics.mean(blocks.values()),
+    }
+    return Scenario(
+        "memory-pressure",
+        specs,
+        warmup,
+        args.pressure_gpu_blocks,
+        args.pressure_clients,
+        workload,
+        hash_times,
+    )
+
+
+def _prompt_of(tokenizer: Any, rng: random.Random, tokens: int) -> str:
+    """Random words and a full stop that ``tokenizer`` encodes to exactly ``tokens``
+    tokens (the builtin tokenizer encodes a space and "a" as one token)."""
+    words: list[str] = []
+    while len(tokenizer.encode(" ".join(words) + ".")) < tokens:
+        words.append(rng.choice(WORDS))
+    while len(tokenizer.encode(" ".join(words) + ".")) > tokens:
+        words.pop()
+    while len(tokenizer.encode(" ".join(words) + ".")) < tokens:
+        words.append("a")
+    text = " ".join(words) + "."
+    assert len(tokenizer.encode(text)) == tokens, "the builtin tokenizer merged a filler"
+    return text
+
+
+SCENARIOS = {"poisson": poisson_scenario, "memory-pressure": pressure_scenario}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--scenarios", type=_scenarios, default=tuple(SCENARIOS))
     parser.add_argument("--policies", type=_policies, default=POLICIES, help="comma-separated")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=200)
@@ -195,60 +317,67 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="of all system prompts' blocks, what one replica's cache holds (default: 1/replicas)",
     )  # fmt: skip
     parser.add_argument("--headroom-blocks", type=int, default=16)
+    parser.add_argument("--pressure-requests", type=int, default=48)
+    parser.add_argument("--pressure-clients", type=int, default=4)
+    parser.add_argument("--pressure-prefixes", type=int, default=6)
+    parser.add_argument("--pressure-prefix-tokens", type=int, default=608)
+    parser.add_argument("--pressure-gpu-blocks", type=int, default=84)
     parser.add_argument("--warmup", type=int, default=2, help="untimed requests per replica")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per process")
     parser.add_argument(
         "--server-arg", action="append", default=[], help="passed to kvstep serve (repeat)"
     )
+    parser.add_argument(
+        "--trace", action="store_true",
+        help="record the kv-aware proxy's decisions and the events it applied, and compare",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS / "routing.json")
     args = parser.parse_args(argv)
 
-    specs = build_workload(args, args.num_requests, args.seed)
-    warmup = build_workload(args, args.replicas * args.warmup + 1, args.seed + 1)
-    blocks, hash_times = tenant_blocks(specs)
-    share = args.cache_share if args.cache_share is not None else 1.0 / args.replicas
-    # every tenant's blocks, also those the workload happened not to draw
-    mean_blocks = statistics.mean(blocks.values())
-    num_gpu_blocks = math.ceil(share * mean_blocks * args.num_prefixes) + args.headroom_blocks
-    setup = Setup(
-        num_gpu_blocks=num_gpu_blocks,
-        replicas=args.replicas,
-        threads=args.threads,
-        warmup=args.warmup,
-        server_args=tuple(args.server_arg),
-    )
-    rows = {}
+    scenarios = []
     with tempfile.TemporaryDirectory() as tmp:
-        for policy in args.policies:
-            rows[policy] = run_policy(setup, policy, specs, warmup, Path(tmp))
-    prompt_tokens = [r["prompt_tokens"] / max(1, r["completed"]) for r in rows.values()]
-    hash_p50, hash_p99 = np.quantile(hash_times, [0.5, 0.99], method=SAMPLE_QUANTILE)
+        for name in args.scenarios:
+            scenario = SCENARIOS[name](args)
+            setup = Setup(
+                num_gpu_blocks=scenario.num_gpu_blocks,
+                replicas=args.replicas,
+                threads=args.threads,
+                warmup=args.warmup,
+                server_args=tuple(args.server_arg),
+                clients=scenario.clients,
+                trace=args.trace,
+            )
+            rows = {}
+            for policy in args.policies:
+                logs = Path(tmp) / name
+                rows[policy] = run_policy(setup, policy, scenario.specs, scenario.warmup, logs)
+            prompt_tokens = [r["prompt_tokens"] / max(1, r["completed"]) for r in rows.values()]
+            hash_p50, hash_p99 = np.quantile(
+                scenario.hash_times, [0.5, 0.99], method=SAMPLE_QUANTILE
+            )
+            result = {
+                "scenario": name,
+                "num_gpu_blocks": scenario.num_gpu_blocks,
+                "workload": {
+                    **scenario.workload,
+                    "mean_prompt_tokens": statistics.mean(prompt_tokens),
+                },
+                "hash_p50_s": float(hash_p50),
+                "hash_p99_s": float(hash_p99),
+                "policies": list(rows.values()),
+                "kv_aware_vs_round_robin": compare(rows),
+            }
+            print_report(result, args.replicas, os.cpu_count())
+            scenarios.append(result)
     result = {
         "model": MODEL,
         "replicas": args.replicas,
-        "num_gpu_blocks": num_gpu_blocks,
-        "cache_share": share,
         "threads": args.threads,
         "fresh_replicas_per_policy": True,
-        "workload": {
-            "num_requests": args.num_requests,
-            "request_rate": args.request_rate,
-            "seed": args.seed,
-            "num_prefixes": args.num_prefixes,
-            "prefix_words": list(args.prefix_words),
-            "suffix_words": list(args.suffix_words),
-            "output_tokens": list(args.output_tokens),
-            "mean_tenant_blocks": mean_blocks,
-            "mean_prompt_tokens": statistics.mean(prompt_tokens),
-        },
         "server_args": list(args.server_arg),
-        "hash_p50_s": float(hash_p50),
-        "hash_p99_s": float(hash_p99),
-        "policies": list(rows.values()),
-        "kv_aware_vs_round_robin": compare(rows),
         "cpu_count": os.cpu_count(),
+        "scenarios": scenarios,
     }
-    print_report(result)
     save(args.json, result)
     return result
 

@@ -6,12 +6,30 @@ The router hashes a request's prompt exactly as the replicas' block pools do
 events, :mod:`pipeline.proxy.kv_follow`) how many leading blocks each replica holds, and
 picks the replica of least estimated cost::
 
-    cost = (prompt blocks - cached blocks) + load_weight * requests open on it
+    cost = blocks to compute + blocks it would evict + load_weight * requests open on it
 
-that is, the blocks it would have to compute, plus ``load_weight`` blocks' worth of
-work for each request this proxy has open on it; ties go to the pool's turn. A request
-the router cannot hash (no tokenizer for a text prompt, a malformed body, which the
-replica will refuse anyway) is routed by load alone.
+* **blocks to compute**: the prompt's full blocks less the replica's cached prefix of
+  it. The blocks of a request just routed count as held on its replica until its
+  events announce them or ``pending_s`` passes (:meth:`PrefixIndex.expect`): a prefill
+  takes a while before any block is announced, and without that a second request of
+  the same prefix would look like a miss everywhere and be sent elsewhere, caching the
+  prefix twice.
+* **blocks it would evict**: of the prefixes recently routed to the replica, the blocks
+  that would no longer fit in its cache with this prompt's misses added
+  (:class:`~pipeline.proxy.footprint.Footprint`; the capacity is known once the replica
+  has evicted a block, :meth:`PrefixIndex.capacity`; 0 before). Each is a block a later
+  request of that prefix would recompute. This keeps a replica from being given more
+  distinct prefixes than it can hold while another has room: under memory pressure the
+  policy otherwise churns, a replica evicting one prefix for another it was also chosen
+  for.
+* **load**: ``load_weight`` blocks' worth of work for each request this proxy has open
+  on the replica, so a replica is passed over for its cached prefix only when it is
+  busier than the prefix is worth.
+
+Ties go to the replica whose recent prefixes take the fewest blocks (a new prefix goes
+where there is most room, so prefixes spread evenly over the replicas), then to the
+pool's turn. A request the router cannot hash (no tokenizer for a text prompt, a
+malformed body, which the replica will refuse anyway) is routed by load alone.
 
 Text prompts are tokenized with the model's own tokenizer (``tokenizer.json``) and chat
 messages rendered with its chat template first, as ``kvstep serve`` does; a long text is
@@ -23,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import anyio.to_thread
@@ -31,6 +49,7 @@ import anyio.to_thread
 from pipeline.errors import InvalidRequestError
 from pipeline.kv_events import ExternalBlockHash, prompt_block_hashes
 from pipeline.proxy.event_watch import EventWatch
+from pipeline.proxy.footprint import Footprint
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.pool import Backend, BackendPool
 from pipeline.proxy.prefix_index import PrefixIndex
@@ -59,9 +78,14 @@ class KVAwareRouter:
         max_backend_blocks: The index's bound on the hashes of one backend
             (``max_blocks`` by default).
         silent_after_s: When a backend counts as silent (:class:`EventWatch`).
+        pending_s: How long the blocks of a request routed to a backend count as held
+            there before its events announce them.
+        clock: Monotonic seconds (``time.monotonic``).
 
     Attributes:
         watch: Which backends send events (:mod:`pipeline.proxy.event_watch`).
+        footprint: The prefixes routed to each backend lately
+            (:mod:`pipeline.proxy.footprint`).
     """
 
     def __init__(
@@ -77,6 +101,8 @@ class KVAwareRouter:
         metrics: ProxyMetrics,
         max_backend_blocks: int | None = None,
         silent_after_s: float = 30.0,
+        pending_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
@@ -88,6 +114,10 @@ class KVAwareRouter:
         urls = [b.url for b in pool.backends]
         self.index = PrefixIndex(urls, max_blocks, max_backend_blocks)
         self.watch = EventWatch(urls, silent_after_s)
+        self.footprint = Footprint(urls)
+        self.pending_s = pending_s
+        self._clock = clock
+        self._clears = dict(self.index.clears)
         self.limiter = anyio.CapacityLimiter(2)
 
     def __repr__(self) -> str:  # the seed stays out (a secret of the replicas)
@@ -114,20 +144,39 @@ class KVAwareRouter:
 
     def choose(self, candidates: Sequence[Backend], hashes: Sequence[ExternalBlockHash]) -> Backend:
         """The candidate of least cost (``candidates`` in the pool's turn order, not
-        empty); counts the decision in the metrics."""
+        empty; see the module); counts the decision in the metrics."""
         start = time.perf_counter()
-        depth = self.index.match(hashes) if hashes else {}
-        total = len(hashes)
+        index, footprint = self.index, self.footprint
+        for url, clears in index.clears.items():  # a cleared replica holds nothing
+            if clears != self._clears[url]:
+                self._clears[url] = clears
+                footprint.cleared(url)
+        if not hashes:
+            chosen = min(candidates, key=lambda b: b.in_flight)  # the first of ties
+            self.metrics.route_seconds.observe(time.perf_counter() - start)
+            self.metrics.routed_blocks.labels(chosen.url).inc(0)
+            self.metrics.routed_hit_blocks.labels(chosen.url).inc(0)
+            return chosen
+        now = self._clock()
+        depth = index.match(hashes, now)  # announced, or routed and not yet announced
+        total, key = len(hashes), hashes[0]
 
-        def cost(backend: Backend) -> float:
-            return total - depth.get(backend.url, 0) + self.load_weight * backend.in_flight
+        def cost(backend: Backend) -> tuple[float, int]:
+            url = backend.url
+            compute = total - depth[url]
+            evict = min(compute, footprint.overflow(url, key, total, index.capacity(url)))
+            return compute + evict + self.load_weight * backend.in_flight, footprint.blocks(url)
 
         chosen = min(candidates, key=cost)  # the first of ties: the pool's turn
-        self.watch.routed(chosen.url, total > depth.get(chosen.url, 0))
+        url = chosen.url
+        announced = index.match(hashes)[url]
+        self.watch.routed(url, total > announced)
+        index.expect(url, hashes, now + self.pending_s, now)
+        footprint.routed(url, key, total, index.capacity(url))
         metrics = self.metrics
         metrics.route_seconds.observe(time.perf_counter() - start)
-        metrics.routed_blocks.labels(chosen.url).inc(total)
-        metrics.routed_hit_blocks.labels(chosen.url).inc(depth.get(chosen.url, 0))
+        metrics.routed_blocks.labels(url).inc(total)
+        metrics.routed_hit_blocks.labels(url).inc(announced)
         return chosen
 
     async def _token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
