@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import attrs
 
+from connectors.nixl.tickets import Ticket
 from connectors.nixl.transfer_key import TransferKey
 from pipeline.checks import check_float, check_int
 from pipeline.errors import InvalidConfigError, InvalidRequestError
@@ -243,6 +244,18 @@ class RemotePrefill:
     tp_size: int
     ticket: str
     expires_at: float
+
+    def signed_fields(self, prompt_digest: str) -> Ticket:
+        """What this request's ticket must sign, for a prompt of ``prompt_digest``."""
+        return Ticket(
+            engine_id=self.engine_id,
+            host=self.host,
+            port=self.port,
+            request_id=self.request_id,
+            block_ids=self.block_ids,
+            prompt_digest=prompt_digest,
+            expires_at=self.expires_at,
+        )
 
     @classmethod
     def parse(cls, params: Mapping[str, Any] | None) -> RemotePrefill | None:

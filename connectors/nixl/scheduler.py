@@ -121,16 +121,8 @@ class NixlScheduler(KVConnectorScheduler):
         refused = self.options.allows(remote.host, remote.port)
         if refused:
             raise InvalidRequestError(f"{field}['remote_host']", remote.host, refused)
-        ticket = Ticket(
-            engine_id=remote.engine_id,
-            host=remote.host,
-            port=remote.port,
-            request_id=remote.request_id,
-            block_ids=remote.block_ids,
-            prompt_digest=prompt_digest(request.prompt_token_ids),
-            expires_at=remote.expires_at,
-        )
-        refused = check_ticket(self.key, ticket, remote.ticket)
+        fields = remote.signed_fields(prompt_digest(request.prompt_token_ids))
+        refused = check_ticket(self.key, fields, remote.ticket)
         if refused and refused != EXPIRED:
             raise InvalidRequestError(f"{field}['ticket']", "<hidden>", refused)
         self._admitted[request.request_id] = (remote, refused)

@@ -5,11 +5,8 @@ one rank each side and with two worker processes each side (multiproc)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -19,21 +16,12 @@ pytest.importorskip("zmq")
 pytest.importorskip("openai")
 
 import httpx
+from example_modules import load_example
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "disaggregated.py"
 LENGTHS = (16, 17, 31, 64, 129, 250, 333, 500)  # 8 concurrent requests, 0..31 blocks
 MAX_TOKENS = 8
 
-
-def _load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_disaggregated", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ex = _load_example()
+ex = load_example("disaggregated.py", "example_disaggregated")
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,10 @@ the consumer refuses frees the producer's held blocks at once.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,20 +22,10 @@ pytest.importorskip("nixl_cu12")
 pytest.importorskip("zmq")
 
 import httpx
+from example_modules import load_example
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "disaggregated.py"
 BS = 16
-
-
-def _load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_disaggregated_attacks", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ex = _load_example()
+ex = load_example("disaggregated.py", "example_disaggregated_attacks")
 
 
 @pytest.fixture(scope="module")
