@@ -92,3 +92,48 @@ class TestPrefixIndex:
     def test_bad_arguments(self, replicas: tuple[str, ...], cap: int) -> None:
         with pytest.raises(InvalidConfigError):
             PrefixIndex(replicas, max_blocks=cap)
+
+
+class TestExpected:
+    """Blocks routed but not yet announced (:meth:`PrefixIndex.expect`) and the cache
+    size learnt from evictions (:meth:`PrefixIndex.capacity`)."""
+
+    def test_expected_blocks_count_until_announced_or_lapsed(self) -> None:
+        index = PrefixIndex(REPLICAS)
+        prompt = HASHES[:4]
+        index.expect("a", prompt, until=10.0, now=0.0)
+        assert index.match(prompt) == {"a": 0, "b": 0, "c": 0}  # events alone: nothing
+        assert index.match(prompt, now=5.0) == {"a": 4, "b": 0, "c": 0}
+        assert index.match(prompt, now=10.0)["a"] == 0  # lapsed
+        index.expect("b", prompt, until=20.0, now=10.0)
+        index.stored("b", prompt[:2])  # announced: held now, expected no more
+        assert index.match(prompt, now=11.0)["b"] == 4
+        assert (index.expected["b"], index.confirmed["b"]) == (4, 2)
+        index.removed("b", prompt[2:3])  # evicted before it was announced
+        assert index.match(prompt, now=11.0)["b"] == 2
+        index.cleared("b")
+        assert index.match(prompt, now=11.0)["b"] == 0
+
+    def test_a_renewed_expectation_outlives_the_first(self) -> None:
+        index = PrefixIndex(REPLICAS)
+        index.expect("a", HASHES[:2], until=10.0, now=0.0)
+        index.expect("a", HASHES[:2], until=30.0, now=5.0)
+        assert index.match(HASHES[:2], now=20.0)["a"] == 2
+        assert index.expected["a"] == 2  # the same blocks, counted once
+
+    def test_expectations_are_bounded(self) -> None:
+        index = PrefixIndex(REPLICAS, max_blocks=4)
+        for i in range(3):
+            index.expect("a", HASHES[4 * i : 4 * i + 4], until=100.0, now=0.0)
+        assert index.match(HASHES[8:12], now=1.0)["a"] == 4  # the newest kept
+        assert index.match(HASHES[:4], now=1.0)["a"] == 0
+
+    def test_capacity_is_known_once_a_replica_evicted(self) -> None:
+        index = PrefixIndex(REPLICAS)
+        index.stored("a", HASHES[:6])
+        assert index.capacity("a") is None  # not full yet, as far as anyone knows
+        index.removed("a", HASHES[:2])
+        index.stored("a", HASHES[6:8])
+        assert index.capacity("a") == 6
+        index.cleared("a")
+        assert index.capacity("a") is None and index.clears["a"] == 1

@@ -177,10 +177,17 @@ class TestRouting:
 
 
 class TestRouter:
-    def router(self, tokenizer: Any = None, load_weight: float = 8.0) -> KVAwareRouter:
-        pool = BackendPool("backend", ("http://a", "http://b"), "kv-aware")
+    def router(
+        self,
+        tokenizer: Any = None,
+        load_weight: float = 8.0,
+        urls: tuple[str, ...] = ("http://a", "http://b"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> KVAwareRouter:
+        pool = BackendPool("backend", urls, "kv-aware")
         return KVAwareRouter(
             pool,
+            clock=clock,
             tokenizer=tokenizer,
             block_size=BS,
             hash_seed=SEED,
@@ -201,6 +208,44 @@ class TestRouter:
             router.index.stored("http://a", hashes)
             a.in_flight = 1
             assert router.choose([a, b], hashes).url == expected
+
+    def test_an_unannounced_prefix_follows_its_first_request(self) -> None:
+        """Routed, not yet announced: a repeat goes where the first went (without that it
+        looked like a miss everywhere and was sent to the next replica in turn), until
+        ``pending_s`` passes with no event confirming it; then it is a miss again."""
+        now = [0.0]
+        router = self.router(urls=("http://a", "http://b", "http://c"), clock=lambda: now[0])
+        hashes = prompt_block_hashes(PROMPT, BS, hash_seed=SEED)
+        backends = router.pool.backends
+        first = router.choose(backends, hashes)
+        assert first.url == "http://a"
+        turned = backends[1:] + backends[:1]  # the pool's next turn starts elsewhere
+        assert [router.choose(turned, hashes).url for _ in range(3)] == ["http://a"] * 3
+        assert router.index.expected["http://a"] == 4
+        now[0] = router.pending_s + 1.0  # never announced: forgotten
+        other = router.choose(turned, hashes)
+        assert other.url == "http://b"  # a miss everywhere: the least recent blocks, in turn
+
+    def test_a_new_prefix_goes_where_it_evicts_nothing(self) -> None:
+        """Replica a's cache (8 blocks: it evicted, so the index knows) holds two recent
+        prefixes of 4 blocks; b holds one. A third prefix goes to b, though a comes first
+        in turn and both are idle; with room on both, the one whose recent prefixes take
+        fewer blocks wins; and a's own prefix still goes to a."""
+        router = self.router()
+        a, b = router.pool.backends
+        prompts = [[t] * 17 for t in (10, 20, 30, 40)]
+        hashes = [prompt_block_hashes(p, BS, hash_seed=SEED) for p in prompts]
+        router.index.stored("http://a", [bytes(8)])  # a warm-up block, evicted later
+        router.index.stored("http://a", [*hashes[0], *hashes[1]])
+        router.index.removed("http://a", [bytes(8)])
+        router.index.stored("http://b", hashes[2])
+        for prompt_hashes in hashes[:2]:
+            assert router.choose([a, b], prompt_hashes) is a
+        assert router.index.capacity("http://a") == 9
+        assert router.choose([a, b], hashes[2]) is b
+        assert router.choose([a, b], hashes[3]) is b  # would evict 3 of a's blocks
+        assert router.footprint.prefixes("http://b") == 2
+        assert router.choose([a, b], hashes[0]) is a  # a hit: nothing to compute
 
     @pytest.mark.anyio
     async def test_text_and_chat_hash_as_the_replica_encodes(self) -> None:
