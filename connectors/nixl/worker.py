@@ -50,7 +50,7 @@ from connectors.base import (
 )
 from connectors.nixl.agent import KVAgent, ReadHandle
 from connectors.nixl.causes import load_failure_cause
-from connectors.nixl.errors import NixlError
+from connectors.nixl.errors import NixlError, TransferError
 from connectors.nixl.handshake import HandshakeServer, claim_blocks
 from connectors.nixl.metadata import NixlMetadata, RemoteRead
 from connectors.nixl.options import NixlOptions
@@ -180,10 +180,8 @@ class NixlWorker(KVConnectorWorker):
         agent = self.agent
         if agent is None:
             raise RuntimeError("nixl worker: start_load_kv before register_kv_caches")
-        if spec.refused:  # a mismatched producer: never contacted, never read
-            log.warning("nixl read refused", req_id=spec.req_id, error=spec.refused)
-            self._load_errors.update(spec.local_block_ids)
-            self._finish_read(spec.req_id)
+        if spec.refused:  # a mismatched producer, an expired ticket: never contacted
+            self._fail(spec, TransferError(spec.engine_id, spec.refused), forget_peer=False)
         elif agent.has_peer(spec.engine_id):
             self._begin(spec)
         else:  # the handshake runs off the step; _poll begins the read once it ends
@@ -251,11 +249,18 @@ class NixlWorker(KVConnectorWorker):
         else:
             log.warning("nixl notify failed", req_id=spec.req_id, error=str(exc))
 
-    def _fail(self, spec: RemoteRead, exc: Exception) -> None:
+    def _fail(self, spec: RemoteRead, exc: Exception, *, forget_peer: bool = True) -> None:
         """Fail ``spec``'s read: its blocks are load errors, under the cause ``exc``
         tells; the first failure of each cause is a warning, later ones debug records
-        with the count (the engine counts every block by cause)."""
-        cause = load_failure_cause(exc)
+        with the count (the engine counts every block by cause). ``forget_peer``: the
+        peer is fetched again next time (it may have restarted)."""
+        cause = (
+            LoadFailureCause.PEER_MISMATCH
+            if spec.refused and "differs in" in spec.refused
+            else LoadFailureCause.REFUSED
+            if spec.refused
+            else load_failure_cause(exc)
+        )
         count = self._failure_counts[cause] = self._failure_counts.get(cause, 0) + 1
         (log.warning if count == 1 else log.debug)(
             "nixl read failed",
@@ -265,7 +270,7 @@ class NixlWorker(KVConnectorWorker):
             error=str(exc),
             failures=count,
         )
-        if self.agent is not None and not self.poster.busy:
+        if forget_peer and self.agent is not None and not self.poster.busy:
             self.agent.remove_peer(spec.engine_id)  # a restarted peer is fetched again
         self._load_errors.update(spec.local_block_ids)
         self._failed.setdefault(cause, set()).update(spec.local_block_ids)
@@ -348,7 +353,8 @@ class NixlWorker(KVConnectorWorker):
     def get_load_failures(self) -> LoadFailures:
         """The causes of the blocks of reads that failed since the previous call, each
         reported once (asked right after :meth:`get_block_ids_with_load_errors`, which
-        reports the same blocks; a read refused by the scheduler half has no cause)."""
+        reports the same blocks; a read the scheduler half refused is ``peer_mismatch``
+        or, for an expired ticket, ``refused``)."""
         failed, self._failed = self._failed, {}
         return LoadFailures(blocks=failed)
 
