@@ -1,7 +1,25 @@
-"""Routing: the same multi-tenant workload through ``kvstep proxy`` under each policy
+"""Routing: the same multi-tenant workloads through ``kvstep proxy`` under each policy
 (``round-robin``, ``least-loaded``, ``kv-aware``), in one run.
 
-    python benchmarks/routing.py [--num-requests 200] [--request-rate 2] [--json PATH]
+    python benchmarks/routing.py [--scenarios poisson,memory-pressure] [--trace] [--json PATH]
+
+Two scenarios (``--scenarios``, both by default), each run under every policy:
+
+* ``poisson``: the workload described below (``--num-requests``, ``--request-rate``, ...).
+* ``memory-pressure`` (issue 24): ``--pressure-prefixes`` 6 system prompts of exactly
+  ``--pressure-prefix-tokens`` 608 tokens (38 blocks), ``--pressure-requests`` 48 user
+  turns (a random tenant's system prompt and a short question), sent by
+  ``--pressure-clients`` 4 closed-loop clients (each sends its next request when its
+  last one finished), ``--pressure-gpu-blocks`` 84 blocks a replica: a replica holds two
+  tenants' prompts, three together hold all six (ideal hit rate ~84%: all but each
+  tenant's first request hit their 38 blocks). Its warm-up prompts are 4 blocks long.
+
+``--trace`` runs the proxy under ``_routing_trace.py`` and adds, per kv-aware run, what
+its index showed on the chosen replica at each decision against the blocks the replica
+then stored (computed), how long a routed prompt's first block took to be announced,
+how many decisions were taken while a request of the same prefix was routed and not
+yet announced (and how many of those went elsewhere), replicas per prefix, prefixes per
+replica and blocks evicted per replica.
 
 Per policy, fresh processes on loopback (``_routing_policy.py``): ``--replicas``
 ``kvstep serve`` (``builtin:tiny``, float32 on CPU, ``OMP_NUM_THREADS=--threads``, KV
@@ -39,15 +57,25 @@ Reported per policy:
   ``hash p50/p99`` times that part here, in this process, over the workload's prompts.
 * **requests per replica**: requests each replica finished (``kvstep_requests_total``).
 
-The goal (issue 14): kv-aware's hit rate at least 2x round-robin's, and its mean TTFT
-at least 1.5x lower. In the recorded run (the defaults, 6 min 15 s on a shared 2-CPU
-box, 1-min load average 2-6; system prompts of 112 blocks, 463 blocks a replica),
-round-robin hit 38% of the prompt tokens with a mean TTFT of 217 ms (p50 198, p99 674),
-least-loaded 37% and 211 ms, kv-aware 89% (its own estimate: 88.7%) and 85 ms (p50 46,
-p99 616): x2.3 the hit rate and x2.5 lower mean TTFT; its decisions took 75 us on
-average (p99 under 1 ms, the bucket's bound). Round-robin's hit rate cannot go much
-lower than a third: each replica caches a third of the tenants, and a prefix evicted
-from the tail first still hits in part. JSON goes to ``benchmarks/results/routing.json``.
+The goal (issues 14 and 24): on each scenario, kv-aware's hit rate at least 2x
+round-robin's and its mean TTFT at least 1.5x lower. Recorded run (both scenarios, all
+policies, ``--trace``, about 7 min on a 2-CPU AMD EPYC box shared with other work, so
+compare policies within a run only; 1-min load average 0.4-4.5):
+
+* poisson (system prompts of 112 blocks, 463 blocks a replica): round-robin 38.8% hit,
+  mean TTFT 157.9 ms (p50 147.2); least-loaded 38.8%, 115.2 ms (p50 134.0); kv-aware
+  90.6% (its own estimate 91.0%), 47.7 ms (p50 34.6): x2.34 the hit rate, x3.31 lower
+  mean TTFT; decisions 121 us on average.
+* memory-pressure: round-robin 26.6%, 83.6 ms (p50 84.1); least-loaded 26.5%, 74.4 ms
+  (p50 73.3); kv-aware 83.0%, 51.9 ms (p50 43.0): x3.12 the hit rate, x1.61 lower mean
+  TTFT; each replica was given 2 of the 6 prefixes and no prefix went to two replicas.
+  Before issue 24's policy (blocks of a routed request counted as held until announced,
+  the eviction term, ties to the replica with the fewest recent blocks) kv-aware hit
+  61.5-77.5% there over seeds 0-3: a replica was given 3 or 4 prefixes and evicted
+  150-180 blocks, and requests of a prefix still in prefill were sent elsewhere.
+
+Round-robin's hit rate cannot go much lower than a third: each replica caches a third
+of the tenants, and a prefix evicted from the tail first still hits in part. JSON goes to ``benchmarks/results/routing.json``.
 """
 
 from __future__ import annotations

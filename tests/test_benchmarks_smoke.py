@@ -67,6 +67,17 @@ TINY_ARGS = {
         "2,2",
         "--warmup",
         "1",
+        "--pressure-requests",
+        "4",
+        "--pressure-clients",
+        "2",
+        "--pressure-prefixes",
+        "2",
+        "--pressure-prefix-tokens",
+        "48",
+        "--pressure-gpu-blocks",
+        "16",
+        "--trace",
     ],
     "roofline.py": [
         "--prefill-tokens",
@@ -143,13 +154,17 @@ def _check_serve(result: dict) -> None:
 
 
 def _check_routing(result: dict) -> None:
-    """Every request completed through the proxy, and the replicas counted them."""
-    (row,) = result["policies"]
-    assert row["policy"] == "kv-aware"
-    assert (row["completed"], row["failed"]) == (4, 0)
-    assert sum(row["requests_per_replica"]) == 4
-    assert 0.0 <= row["hit_rate"] <= 1.0
-    assert row["route_decisions"] >= 4
+    """Both scenarios ran; every request completed through the proxy, the replicas
+    counted them, and the trace saw each decision."""
+    assert [s["scenario"] for s in result["scenarios"]] == ["poisson", "memory-pressure"]
+    for scenario in result["scenarios"]:
+        (row,) = scenario["policies"]
+        assert row["policy"] == "kv-aware"
+        assert (row["completed"], row["failed"]) == (4, 0)
+        assert sum(row["requests_per_replica"]) == 4
+        assert 0.0 <= row["hit_rate"] <= 1.0
+        assert row["route_decisions"] >= 4
+        assert row["trace"]["decisions"] == 4
 
 
 def _check_cuda_graphs(result: dict) -> None:
