@@ -51,7 +51,8 @@ MAX_REPLY_BYTES = 16 << 20
 """Largest reply a client accepts (agent metadata is a few KiB)."""
 MAX_REQUEST_BYTES = 128 << 10
 """Largest request a server reads (a claim lists a request's block ids)."""
-_CLAIM_RETRY_S = 0.01
+_CLAIM_FIRST_RETRY_S = 0.0005  # a pending claim is asked again after this, doubling
+_CLAIM_RETRY_S = 0.01  # ... up to this
 _POLL_MS = 50  # how often a waiting fetch looks at its stop event
 _PROBE_S = 0.5  # bound on the TCP connect that detects a closed port
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -402,7 +403,7 @@ def claim_blocks(
 ) -> None:
     """Claim ``block_ids`` of the producer's ``request_id`` under ``ticket``; returns
     once the producer rank says they may be read. A claim the producer has not seen the
-    hold of yet is asked again (every 10 ms) until ``timeout_s``.
+    hold of yet is asked again (after 0.5 ms, doubling up to 10 ms) until ``timeout_s``.
 
     Raises:
         HandshakeError: Refused (wrong or used ticket, blocks not held, the request was
@@ -410,6 +411,7 @@ def claim_blocks(
     """
     deadline = time.monotonic() + timeout_s
     address = f"{host}:{port}"
+    wait_s = _CLAIM_FIRST_RETRY_S  # the hold is usually bound within a producer step
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -423,10 +425,11 @@ def claim_blocks(
             return
         if reply.claim != "pending":
             raise HandshakeError(address, f"claim refused: {reply.reply.error or 'no reason'}")
-        if stop is not None and stop.wait(_CLAIM_RETRY_S):
+        if stop is not None and stop.wait(wait_s):
             raise HandshakeError(address, "stopped")
         if stop is None:
-            time.sleep(_CLAIM_RETRY_S)
+            time.sleep(wait_s)
+        wait_s = min(2 * wait_s, _CLAIM_RETRY_S)
 
 
 def _probe(host: str, port: int, address: str, timeout_s: float) -> None:
