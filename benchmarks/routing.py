@@ -75,7 +75,8 @@ compare policies within a run only; 1-min load average 0.4-4.5):
   150-180 blocks, and requests of a prefix still in prefill were sent elsewhere.
 
 Round-robin's hit rate cannot go much lower than a third: each replica caches a third
-of the tenants, and a prefix evicted from the tail first still hits in part. JSON goes to ``benchmarks/results/routing.json``.
+of the tenants, and a prefix evicted from the tail first still hits in part. JSON goes
+to ``benchmarks/results/routing.json``.
 """
 
 from __future__ import annotations
