@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -36,24 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def launch_traced(flags: Sequence[str], log: Path, env: Mapping[str, str] | None) -> Iterator[Any]:
     """``kvstep proxy FLAGS`` (with ``--trace PATH`` among them) under this module's
     hooks, as :func:`_serve_client.launch` starts it; yields its ``Launched``."""
-    from _serve_client import Launched, _env, free_port
+    from _serve_client import launch
 
-    port = free_port()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "proxy", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), *flags]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=_env(env)
-        )
-        try:
-            yield Launched(f"http://127.0.0.1:{port}", process, log)
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with launch(
+        "proxy", flags, log, env, program=[sys.executable, str(Path(__file__).resolve())]
+    ) as launched:
+        yield launched
 
 
 def _hash_json(value: Any) -> Any:

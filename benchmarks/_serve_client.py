@@ -84,14 +84,20 @@ class Launched:
 
 @contextlib.contextmanager
 def launch(
-    command: str, flags: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+    command: str,
+    flags: Sequence[str],
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    program: Sequence[str] = (),
 ) -> Iterator[Launched]:
     """Start ``python -m pipeline.cli COMMAND --host 127.0.0.1 --port PORT FLAGS`` (a
     free port) from this repository, output to ``log``, ``env`` added to this process's
     environment; yields at once (see :meth:`Launched.wait_healthy`). Terminated (then
-    killed after 30 s) on exit, whatever happened."""
+    killed after 30 s) on exit, whatever happened. ``program``: what runs instead of
+    ``python -m pipeline.cli`` (a script with the CLI's arguments)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pipeline.cli", command, "--host", "127.0.0.1"]
+    head = list(program) or [sys.executable, "-m", "pipeline.cli"]
+    cmd = [*head, command, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *flags]
     with log.open("wb") as out:
         process = subprocess.Popen(
