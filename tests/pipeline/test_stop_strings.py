@@ -6,7 +6,9 @@ span two and three tokens are found in its own encodings, and the split is asser
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import SamplingParams
+from pipeline.engine import output_text
 from pipeline.engine.output_text import OutputText, TextTracker, TextUpdate, find_stop, held_back
 from pipeline.request import RequestOutput
 from pipeline.tokenizer import Tokenizer, load_tokenizer
@@ -149,6 +152,42 @@ class TestHelpers:
         assert held_back("aaa", ["aab", "b"]) == 2
         assert held_back("xyz", ["abc"]) == 0
         assert held_back("", ["abc"]) == 0
+
+
+def _lines_run(tokenizer: Tokenizer, stops: list[str], ids: list[int]) -> int:
+    """The lines of ``pipeline.engine.output_text`` that feeding ``ids`` one output at a
+    time runs: the tracker's work, counted, not timed (a busy machine cannot move it)."""
+    tracker = TextTracker(tokenizer, SamplingParams(stop=tuple(stops)))
+    count = 0
+
+    def trace(frame: FrameType, event: str, arg: object) -> Any:
+        nonlocal count
+        if frame.f_code.co_filename != output_text.__file__:
+            return None
+        if event == "line":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for n in range(1, len(ids) + 1):
+            assert tracker.update(ids[:n]).stop is None
+    finally:
+        sys.settrace(None)
+    return count
+
+
+class TestStopCost:
+    def test_long_partial_stop_strings_cost_what_short_ones_do(self, tokenizer: Tokenizer) -> None:
+        """300 outputs of "a" against 16 stop strings of 512 characters that each begin
+        with "a" many times over run about the lines that 16 one-character stop strings
+        do (searching near the end and trying every partial match ran ~100x as many;
+        the server-level audit saw a neighbour's tokens take 3.8x longer)."""
+        (a,) = tokenizer.encode("a")
+        ids = [a] * 300
+        benign = _lines_run(tokenizer, ["z"] * 16, ids)
+        adversarial = _lines_run(tokenizer, ["aX" * 256] * 16, ids)
+        assert adversarial < 1.5 * benign, (adversarial, benign)
 
 
 def _output(request_id: str, ids: list[int], finish: str | None = None) -> RequestOutput:
