@@ -1,7 +1,7 @@
 """kvstep's built-in stages and the default step graphs built from them.
 
 engine:  schedule → execute → fan_in → update ⟂ fail_step
-worker:  bind → load → forward → {sample | save} → finished ⟂ clear → drop_finished
+worker:  bind → load → forward → logits → sample → save → finished ⟂ clear → drop_finished
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from stages.fail_step import FailStepStage
 from stages.fan_in import FanInAggregator, FanInStage
 from stages.finalize import ClearConnectorStage
 from stages.finished import FinishedStage
-from stages.forward.stage import ForwardStage, SampleStage
+from stages.forward.stage import ForwardStage
 from stages.graphs import default_engine_graph, default_worker_graph
 from stages.load import LoadStage
+from stages.logits import LogitsAdjustStage
+from stages.sample import SampleStage
 from stages.save import SaveStage
 from stages.schedule_stage import ScheduleStage, UpdateStage
 
@@ -36,6 +38,7 @@ __all__ = [
     "FinishedStage",
     "ForwardStage",
     "LoadStage",
+    "LogitsAdjustStage",
     "SampleStage",
     "SaveStage",
     "ScheduleStage",

@@ -1,7 +1,7 @@
 """The default step graphs, built from the built-in stages.
 
 engine:  schedule → execute → fan_in → update ⟂ fail_step
-worker:  bind → load → forward → {sample | save} → finished ⟂ clear → drop_finished
+worker:  bind → load → forward → logits → sample → save → finished ⟂ clear → drop_finished
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from stages.fail_step import FailStepStage
 from stages.fan_in import FanInAggregator, FanInStage
 from stages.finalize import ClearConnectorStage
 from stages.finished import FinishedStage
-from stages.forward.stage import ForwardStage, SampleStage
+from stages.forward.stage import ForwardStage
 from stages.load import LoadStage
+from stages.logits import LogitsAdjustStage
+from stages.sample import SampleStage
 from stages.save import SaveStage
 from stages.schedule_stage import ScheduleStage, UpdateStage
 
@@ -47,7 +49,8 @@ def default_worker_graph(
         [
             BindStage(connector),
             LoadStage(runner, connector),
-            ForwardStage(runner, connector, presample=rank == 0),
+            ForwardStage(runner, connector),
+            LogitsAdjustStage(runner, driver=rank == 0),
             SampleStage(runner, driver=rank == 0),
             SaveStage(connector),
             FinishedStage(rank, connector),

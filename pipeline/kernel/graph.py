@@ -104,12 +104,23 @@ class StepGraph:
         raise attrs.exceptions.FrozenInstanceError()
 
     def _resolve_edges(self) -> list[list[int]]:
-        """Return, per body stage, the indices of the stages providing what it requires."""
+        """Return, per body stage, the indices of the stages providing what it requires.
+
+        A stage that requires the type it provides **amends** it (a logits stage: it
+        reads the logits and returns new ones): the amenders of a type run one after
+        the other in declaration order, the first after the type's provider (a stage or
+        a graph input), and every other stage that requires the type reads the last
+        amender's version.
+        """
         provider: dict[type, int] = {}
+        amenders: dict[type, list[int]] = {}
         inputs = set(self.inputs)
         for i, s in enumerate(self.stages):
             out = s.provides
             if out is None:
+                continue
+            if out in s.requires:
+                amenders.setdefault(out, []).append(i)
                 continue
             if out in inputs:
                 raise GraphError(
@@ -122,23 +133,42 @@ class StepGraph:
                 other = self.stages[provider[out]].name
                 raise GraphError(
                     f"graph {self.name!r}: stages {other!r} and {s.name!r} both provide "
-                    f"{type_name(out)}; a type has one provider",
+                    f"{type_name(out)}; a type has one provider (a stage that amends it "
+                    "requires it too)",
                     stage=s.name,
                     artifact=type_name(out),
                 )
             provider[out] = i
+        before: dict[int, int | None] = {}  # amender -> the stage whose version it reads
+        for t, chain in amenders.items():
+            previous = provider.get(t)
+            if previous is None and t not in inputs:
+                first = self.stages[chain[0]].name
+                raise GraphError(
+                    f"graph {self.name!r}: cycle {first} → {first} ({first!r} requires "
+                    f"{type_name(t)} from {first!r}); a stage that requires what it "
+                    f"provides amends it, and no stage provides {type_name(t)} first, nor "
+                    "is it an input",
+                    stage=first,
+                    artifact=type_name(t),
+                )
+            for i in chain:
+                before[i] = previous
+                previous = i
+            provider[t] = chain[-1]
         deps: list[list[int]] = []
-        for s in self.stages:
+        for i, s in enumerate(self.stages):
             mine: list[int] = []
             for t in s.requires:
-                if t in provider:
-                    if provider[t] not in mine:
-                        mine.append(provider[t])
+                src = before.get(i) if t is s.provides and i in before else provider.get(t)
+                if src is not None:
+                    if src not in mine:
+                        mine.append(src)
                 elif t not in inputs:
                     known = ", ".join(
                         [
-                            f"{type_name(p)} (by {self.stages[i].name!r})"
-                            for p, i in provider.items()
+                            f"{type_name(p)} (by {self.stages[k].name!r})"
+                            for p, k in provider.items()
                         ]
                         + [f"{type_name(p)} (input)" for p in self.inputs]
                     )

@@ -34,7 +34,7 @@ import anyio
 
 from pipeline.errors import FinalizerError, GraphError, StageError
 from pipeline.kernel.context import StepContext
-from pipeline.kernel.plan import Dataflow, Item, Parallel, StepPlan
+from pipeline.kernel.plan import Dataflow, Fused, Item, Parallel, StepPlan
 from pipeline.kernel.report import StageOutcome, StageRecord, StepOutcome, StepReport
 from pipeline.kernel.validate import type_name
 
@@ -79,6 +79,8 @@ async def _run_series(items: tuple[Item, ...], st: _Step) -> None:
                 await _run_parallel(item, st)
             elif type(item) is Dataflow:
                 await _run_dataflow(item, st)
+            elif type(item) is Fused:
+                await _run_fused(item, st)
             else:
                 await _run_series(item, st)  # type: ignore[arg-type]
     except BaseException as exc:
@@ -97,6 +99,43 @@ def _wrong_type(name: str, step_id: int, out: type, value: object) -> StageError
         step_id,
         f"returned {type(value).__qualname__}, but it declares provides={type_name(out)}",
     )
+
+
+async def _run_fused(block: Fused, st: _Step) -> None:
+    """Run a fused block's ``compute`` methods in a row in one hand-over (on the loop
+    when no member has a ``hop``); each member keeps its own times and outcome."""
+    plan, ctx, artifacts, starts, ends = st.plan, st.ctx, st.artifacts, st.starts, st.ends
+    computes, provides, names = plan.computes, plan.provides, plan.names
+    current = [-1]
+
+    def work() -> None:
+        for i in block.members:
+            current[0] = i
+            starts[i] = _now()
+            value = computes[i](ctx)  # type: ignore[misc]
+            ends[i] = _now()
+            out = provides[i]
+            if out is not None:
+                if not isinstance(value, out):
+                    raise _wrong_type(names[i], ctx.step_id, out, value)
+                artifacts[out] = value
+        current[0] = -1
+
+    try:
+        if block.hop is None:
+            work()
+        else:
+            await plan.hops[block.hop](ctx, work)  # type: ignore[misc]
+    except BaseException as exc:
+        i = current[0] if current[0] >= 0 else block.members[0]
+        if not starts[i]:
+            starts[i] = _now()
+        if not ends[i]:
+            ends[i] = _now()
+        st.excs[i] = exc
+        if isinstance(exc, anyio.get_cancelled_exc_class()):
+            st.cancel = exc
+        raise
 
 
 async def _run_item(item: Item, st: _Step) -> None:

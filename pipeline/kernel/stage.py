@@ -36,6 +36,7 @@ __all__ = [
     "is_collective",
     "is_finalizer",
     "is_immediate",
+    "lane",
     "stage",
 ]
 
@@ -66,6 +67,16 @@ class Stage(Protocol):
             block the runner then runs it in the current task before the other
             branches, and a block left with one branch that waits needs no task group.
             A stage that does suspend anyway only loses its concurrency, never a result.
+
+    Optional attributes of a **compute stage** (read with :func:`lane`; see
+    :class:`~pipeline.kernel.compute.ComputeStage`):
+        runs_on: The name of the thread its work runs on (``"compute"``: a model
+            runner's). Its synchronous ``compute(ctx)`` returns the artifact, and
+            ``run`` awaits it. The plan fuses adjacent stages of one ``runs_on`` (a
+            series, or a series and the head of a parallel branch) into one call of
+            their ``compute`` methods in a row, handed over once: the first member's
+            ``hop(ctx, work)`` that has one (``async``; it runs ``work()`` on the
+            thread and returns its result), or on the event loop when none has one.
     """
 
     @property
@@ -158,6 +169,13 @@ def is_collective(obj: object) -> bool:
 def is_immediate(obj: object) -> bool:
     """Whether stage ``obj`` never suspends (``immediate`` attribute is ``True``)."""
     return getattr(obj, "immediate", False) is True
+
+
+def lane(obj: object) -> str | None:
+    """The thread a compute stage runs on (its ``runs_on``), or ``None`` for a stage
+    that runs on the event loop."""
+    value = getattr(obj, "runs_on", None)
+    return value if isinstance(value, str) else None
 
 
 @attrs.frozen

@@ -12,7 +12,7 @@ import typing
 from typing import Any
 
 from pipeline.errors import GraphError
-from pipeline.kernel.stage import Finalizer, FunctionStage, Stage, is_finalizer
+from pipeline.kernel.stage import Finalizer, FunctionStage, Stage, is_finalizer, lane
 
 __all__ = ["check_stage", "has_drain", "type_name"]
 
@@ -59,6 +59,8 @@ def check_stage(s: Stage) -> None:
         raise GraphError(f"stage {name!r}: `run` must be an `async def` method", stage=name)
     if is_finalizer(s):
         _check_finalizer(s, name)
+    if lane(s) is not None:
+        _check_compute(s, name)
     if not isinstance(s, FunctionStage):
         _check_return_annotation(s, name, provides)
 
@@ -88,6 +90,27 @@ def _check_return_annotation(s: Stage, name: str, provides: type | None) -> None
             f"annotated to return {type_name(ret)}; make them agree",
             stage=name,
             artifact=type_name(provides),
+        )
+
+
+def _check_compute(s: Stage, name: str) -> None:
+    """A compute stage (``runs_on``) has a synchronous ``compute(ctx)`` and, if it has a
+    ``hop``, an ``async`` one; it is not a finalizer."""
+    compute = getattr(s, "compute", None)
+    if not callable(compute) or inspect.iscoroutinefunction(compute):
+        raise GraphError(
+            f"stage {name!r} has runs_on={getattr(s, 'runs_on', None)!r}: its "
+            "`compute(ctx)` must be a synchronous method (it runs on that thread)",
+            stage=name,
+        )
+    hop = getattr(s, "hop", None)
+    if hop is not None and not inspect.iscoroutinefunction(hop):
+        raise GraphError(
+            f"stage {name!r}: `hop(ctx, work)` must be an `async def` method", stage=name
+        )
+    if is_finalizer(s):
+        raise GraphError(
+            f"finalizer {name!r} has runs_on; a finalizer runs on the event loop", stage=name
         )
 
 

@@ -18,6 +18,7 @@ from connectors.base import ForwardContext, KVConnectorWorker, ModelFingerprint
 from connectors.device import DeviceSync, make_device_sync
 from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.errors import StageError
+from pipeline.logits import Logits
 from stages.forward.compute_thread import Compute, make_compute
 from stages.forward.config import ModelConfig
 from stages.forward.connector_hooks import ConnectorHooks
@@ -260,6 +261,20 @@ class ModelRunner:
         back from the device).
         """
         return self._sampling.sample(scheduler_output, model_output)
+
+    def logits(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> Logits:
+        """The graph's ``logits`` stage: the rows to sample with the built-in adjustments
+        (``min_tokens``, ``logit_bias``, penalties), each row that cannot be adjusted
+        failing alone (:meth:`StepSampler.logits`). Blocks the calling thread."""
+        return self._sampling.logits(scheduler_output, model_output)
+
+    def sample_logits(
+        self, scheduler_output: SchedulerOutput, model_output: ModelOutput, logits: Logits
+    ) -> SampledTokens:
+        """The graph's ``sample`` stage: one token per row of ``logits`` (already
+        adjusted), then the logprobs asked for, of the raw logits
+        (:meth:`StepSampler.sample_logits`). Blocks the calling thread."""
+        return self._sampling.sample_logits(scheduler_output, model_output, logits)
 
     def drop_requests(self, req_ids: Iterable[str]) -> None:
         """Forget the state of ``req_ids`` (unknown ids are ignored), as a step does.

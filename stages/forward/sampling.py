@@ -201,6 +201,8 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
         token_ids: Sequence[Sequence[int] | None] | None = None,
+        *,
+        adjust: bool = True,
     ) -> list[int]:
         """One token id per row of ``logits [N, vocab]`` (float32).
 
@@ -210,6 +212,8 @@ class Sampler:
             num_output_tokens: Index of the token each row produces (seeds, ``min_tokens``).
             token_ids: Per row, the request's tokens so far (prompt then output), for
                 the rows with a penalty; see :func:`adjust_logits`.
+            adjust: Apply :func:`adjust_logits` first; ``False`` when the logits were
+                adjusted already (the graph's ``logits`` stage).
 
         Returns:
             The sampled token ids, in row order.
@@ -217,7 +221,8 @@ class Sampler:
         n = logits.shape[0]
         if n == 0:
             return []
-        logits = adjust_logits(logits, params, num_output_tokens, token_ids, self.eos_token_id)
+        if adjust:
+            logits = adjust_logits(logits, params, num_output_tokens, token_ids, self.eos_token_id)
         greedy = [p.greedy for p in params]
         result = torch.empty(n, dtype=torch.long, device=logits.device)
         greedy_rows = [i for i in range(n) if greedy[i]]
@@ -242,6 +247,8 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
         token_ids: Sequence[Sequence[int] | None] | None = None,
+        *,
+        adjust: bool = True,
     ) -> RowSamples:
         """Like :meth:`sample`, but a row that cannot be sampled fails alone.
 
@@ -252,7 +259,7 @@ class Sampler:
         """
         try:
             tokens: list[int | None] = list(
-                self.sample(logits, params, num_output_tokens, token_ids)
+                self.sample(logits, params, num_output_tokens, token_ids, adjust=adjust)
             )
             return RowSamples(tokens, {})
         except Exception as exc:
@@ -263,9 +270,13 @@ class Sampler:
             try:
                 row_tokens = None if token_ids is None else [token_ids[i]]
                 tokens.append(
-                    self.sample(logits[i : i + 1], [params[i]], [num_output_tokens[i]], row_tokens)[
-                        0
-                    ]
+                    self.sample(
+                        logits[i : i + 1],
+                        [params[i]],
+                        [num_output_tokens[i]],
+                        row_tokens,
+                        adjust=adjust,
+                    )[0]
                 )
             except Exception as exc:
                 tokens.append(None)

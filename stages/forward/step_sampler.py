@@ -1,4 +1,5 @@
-"""``StepSampler``: a worker's sampling of one step, with the histories penalties read."""
+"""``StepSampler``: a worker's logits and sampling of one step, with the token histories
+that penalties and logits stages read."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ from collections.abc import Iterable
 import torch
 
 from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
+from pipeline.logits import Logits, LogitsBatch
 from stages.forward.histories import TokenHistories
 from stages.forward.logprobs import add_logprobs
-from stages.forward.sampling import Sampler
+from stages.forward.sampling import Sampler, adjust_logits
+
+#: The built-in logits stage's name, in the failure of a row it could not adjust.
+BUILTIN_LOGITS = "logits"
 
 __all__ = ["StepSampler"]
 
@@ -43,37 +48,74 @@ class StepSampler:
         """Forget every request."""
         self._histories.clear()
 
-    def sample(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> SampledTokens:
-        """One token per row of ``model_output``, then the logprobs asked for.
+    def logits(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> Logits:
+        """The step's :class:`~pipeline.logits.Logits`: the raw logits of the rows to
+        sample, with ``min_tokens``, ``logit_bias`` and the penalties applied
+        (:func:`~stages.forward.sampling.adjust_logits`); a row that cannot be adjusted
+        fails alone. Blocks (on the compute thread)."""
+        if not model_output.req_ids:
+            return Logits()
+        by_id = {r.req_id: r for r in scheduler_output.requests}
+        scheduled = [by_id[req_id] for req_id in model_output.req_ids]
+        batch = self._histories.batch(scheduled)
+        raw = Logits(tensor=model_output.logits, batch=batch)
+        counts = [r.num_output_tokens for r in scheduled]
+        histories = self._histories.rows(scheduled)
+        index = {req_id: i for i, req_id in enumerate(model_output.req_ids)}
+        eos = self._sampler.eos_token_id
 
-        See :meth:`~stages.forward.runner.ModelRunner.sample`.
-        """
-        sampled = self._sample_tokens(scheduler_output, model_output)
+        def adjust(logits: torch.Tensor, rows: LogitsBatch) -> torch.Tensor:
+            at = [index[req_id] for req_id in rows.req_ids]
+            tokens = None if histories is None else [histories[i] for i in at]
+            with torch.inference_mode():
+                return adjust_logits(logits, rows.params, [counts[i] for i in at], tokens, eos)
+
+        return raw.amend(BUILTIN_LOGITS, adjust)
+
+    def sample_logits(
+        self, scheduler_output: SchedulerOutput, model_output: ModelOutput, logits: Logits
+    ) -> SampledTokens:
+        """One token per row of ``logits`` (adjusted already), then the logprobs asked
+        for (of the raw logits of ``model_output``). Rows a logits stage failed, and
+        rows that cannot be sampled, get no token: their requests are named in
+        ``SampledTokens.errors`` and fail alone. Blocks (it reads the tokens back)."""
+        sampled = self._sample_tokens(scheduler_output, logits)
         if model_output.prompt_logits is not None or any(
             r.sampling.logprobs is not None for r in scheduler_output.requests
         ):
             return add_logprobs(sampled, scheduler_output, model_output)
         return sampled
 
-    def _sample_tokens(
-        self, scheduler_output: SchedulerOutput, model_output: ModelOutput
-    ) -> SampledTokens:
-        if not model_output.req_ids:
+    def sample(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> SampledTokens:
+        """:meth:`logits` then :meth:`sample_logits`: the built-in graph's ``logits`` and
+        ``sample`` stages in one call.
+
+        See :meth:`~stages.forward.runner.ModelRunner.sample`.
+        """
+        return self.sample_logits(
+            scheduler_output, model_output, self.logits(scheduler_output, model_output)
+        )
+
+    def _sample_tokens(self, scheduler_output: SchedulerOutput, logits: Logits) -> SampledTokens:
+        batch, failed = logits.batch, logits.failed
+        if not len(batch) or logits.tensor is None:
             return SampledTokens(token_ids={})
         by_id = {r.req_id: r for r in scheduler_output.requests}
-        scheduled = [by_id[req_id] for req_id in model_output.req_ids]
-        histories = self._histories.rows(scheduled)
+        rows = [i for i, req_id in enumerate(batch.req_ids) if req_id not in failed]
+        tensor = logits.tensor
+        if len(rows) < len(batch):
+            tensor = tensor.index_select(0, torch.tensor(rows, device=tensor.device))
         with torch.inference_mode():
             tokens, errors = self._sampler.sample_rows(
-                model_output.logits,
-                [r.sampling for r in scheduled],
-                [r.num_output_tokens for r in scheduled],
-                histories,
+                tensor,
+                [batch.params[i] for i in rows],
+                [by_id[batch.req_ids[i]].num_output_tokens for i in rows],
+                adjust=False,
             )
-        req_ids = model_output.req_ids
+        req_ids = [batch.req_ids[i] for i in rows]
         return SampledTokens(
             token_ids={
                 req_id: tok for req_id, tok in zip(req_ids, tokens, strict=True) if tok is not None
             },
-            errors={req_ids[row]: reason for row, reason in errors.items()},
+            errors={**failed, **{req_ids[row]: reason for row, reason in errors.items()}},
         )

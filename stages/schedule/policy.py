@@ -275,11 +275,7 @@ def _schedule(state: SchedulerState, request: Request, num_new: int) -> Schedule
         sampling=request.sampling_params,
         sample=sample,
         num_output_tokens=request.num_output_tokens + pending,
-        prefix_token_ids=(
-            tuple(request.all_token_ids[:start])
-            if num_sent is None and request.sampling_params.needs_history
-            else ()
-        ),
+        prefix_token_ids=(tuple(request.all_token_ids[:start]) if num_sent is None else ()),
         prompt_logprob_targets=(
             tuple(
                 request.all_token_ids[

@@ -196,5 +196,5 @@ class TestDefaultGraphs:
         runner: Any = object()
         graph = default_worker_graph(runner)
         assert str(graph) == (
-            "bind → load → forward → {sample | save} → finished ⟂ clear → drop_finished"
+            "bind → load → forward → logits → sample → save → finished ⟂ clear → drop_finished"
         )
