@@ -10,17 +10,22 @@ its typed decoder accepts.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
+import msgspec
 
 from pipeline.checks import INT64_MAX, INT64_MIN, check_float, check_int
-from pipeline.errors import InvalidRequestError
+from pipeline.errors import InvalidRequestError, short_repr
 from pipeline.logprobs import MAX_LOGPROBS
 
 __all__ = [
     "LOGIT_BIAS_LIMIT",
+    "MAX_EXTRA_ARGS_BYTES",
+    "MAX_EXTRA_ARGS_DEPTH",
+    "MAX_EXTRA_ARGS_KEYS",
     "MAX_LOGIT_BIAS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
@@ -28,7 +33,9 @@ __all__ = [
     "MAX_TOKENS_LIMIT",
     "PENALTY_LIMIT",
     "SAMPLING_EPS",
+    "ExtraArgs",
     "SamplingParams",
+    "check_extra_args",
 ]
 
 #: A temperature below this samples greedily (vLLM's ``_SAMPLING_EPS``): dividing
@@ -49,6 +56,12 @@ MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_LIMIT = 100.0
 #: Bound of ``presence_penalty`` and ``frequency_penalty`` (OpenAI: [-2, 2]).
 PENALTY_LIMIT = 2.0
+#: Most top-level keys of ``extra_args``.
+MAX_EXTRA_ARGS_KEYS = 64
+#: Largest ``extra_args``, in bytes of its compact JSON encoding.
+MAX_EXTRA_ARGS_BYTES = 16 * 1024
+#: Deepest nesting of lists and mappings inside ``extra_args`` (``{"a": [1]}`` is 2).
+MAX_EXTRA_ARGS_DEPTH = 16
 
 
 def _stop_token_ids(values: Iterable[int]) -> frozenset[int]:
@@ -134,6 +147,157 @@ def _logit_bias(values: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+class ExtraArgs(dict[str, Any]):
+    """A read-only ``str`` → JSON value mapping: what :attr:`SamplingParams.extra_args`
+    holds, built by :func:`check_extra_args`.
+
+    A ``dict`` (so that msgspec encodes it natively on the engine↔worker wire) whose
+    mutating methods raise ``TypeError``; its lists are tuples and its nested mappings
+    are ``ExtraArgs`` too, so the whole value is immutable and hashable (a
+    ``SamplingParams`` is). It compares equal to a ``dict`` of the same items.
+    """
+
+    __slots__ = ()
+
+    def _read_only(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError("extra_args is read-only: build new SamplingParams (attrs.evolve)")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def __copy__(self) -> ExtraArgs:
+        return self
+
+    def __deepcopy__(self, memo: object) -> ExtraArgs:
+        return self
+
+    def __reduce__(self) -> tuple[type[ExtraArgs], tuple[dict[str, Any]]]:
+        return (type(self), (dict(self),))
+
+
+_EMPTY_EXTRA_ARGS = ExtraArgs()
+_JSON_KINDS = "None, bool, int, float, str, lists and mappings with str keys of those"
+
+
+class _ExtraArgsWalk:
+    """One pass over a candidate ``extra_args`` value: checks every node and builds
+    the frozen copy, counting a lower bound of its JSON size as it goes, so that a huge
+    value is refused after :data:`MAX_EXTRA_ARGS_BYTES` nodes or characters, never
+    walked whole."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.size = 0
+
+    def grow(self, path: str, size: int) -> None:
+        self.size += size
+        if self.size > MAX_EXTRA_ARGS_BYTES:
+            raise InvalidRequestError(
+                self.what,
+                f"<more than {MAX_EXTRA_ARGS_BYTES} bytes at {path}>",
+                f"must encode to at most {MAX_EXTRA_ARGS_BYTES} bytes of JSON",
+            )
+
+    def text(self, path: str, value: str) -> str:
+        self.grow(path, len(value) + 2)
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError(
+                    path, value, "must be valid Unicode (no lone surrogates)"
+                ) from None
+        return str(value)
+
+    def mapping(self, path: str, values: Mapping[Any, Any], depth: int) -> ExtraArgs:
+        self.grow(path, 1)  # the braces, less the comma after the last item
+        frozen: dict[str, Any] = {}
+        for key, item in values.items():
+            if not isinstance(key, str):
+                raise InvalidRequestError(f"{path} key", key, "keys must be strings")
+            self.text(path, key)
+            self.grow(path, 2)  # the colon and the comma
+            frozen[str(key)] = self.value(f"{path}[{short_repr(key, 40)}]", item, depth)
+        return ExtraArgs(frozen)
+
+    def value(self, path: str, value: object, depth: int) -> Any:
+        if value is None or isinstance(value, bool):
+            self.grow(path, 4)
+            return value
+        if isinstance(value, int):
+            self.grow(path, 1)
+            return check_int(path, value, InvalidRequestError)
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise InvalidRequestError(path, value, "must be a finite number")
+            self.grow(path, 1)
+            return float(value)
+        if isinstance(value, str):
+            return self.text(path, value)
+        if isinstance(value, Mapping | list | tuple):
+            if depth >= MAX_EXTRA_ARGS_DEPTH:
+                raise InvalidRequestError(
+                    path, "...", f"nests deeper than {MAX_EXTRA_ARGS_DEPTH} levels"
+                )
+            if isinstance(value, Mapping):
+                return self.mapping(path, value, depth + 1)
+            self.grow(path, 1)  # the brackets, less the comma after the last item
+            items = []
+            for i, item in enumerate(value):
+                self.grow(path, 1)  # the comma
+                items.append(self.value(f"{path}[{i}]", item, depth + 1))
+            return tuple(items)
+        raise InvalidRequestError(path, type(value).__name__, f"must be JSON: {_JSON_KINDS}")
+
+
+def check_extra_args(values: object, what: str = "extra_args") -> ExtraArgs:
+    """``values`` as the read-only :class:`ExtraArgs` that ``SamplingParams`` holds.
+
+    Accepts a mapping of at most :data:`MAX_EXTRA_ARGS_KEYS` ``str`` keys to JSON
+    values: ``None``, ``bool``, 64-bit ``int``, finite ``float``, ``str`` (valid
+    Unicode), and lists/tuples and mappings with ``str`` keys of those, nested at most
+    :data:`MAX_EXTRA_ARGS_DEPTH` levels, encoding to at most
+    :data:`MAX_EXTRA_ARGS_BYTES` bytes of compact JSON. Lists become tuples and nested
+    mappings ``ExtraArgs``. Pure; microseconds for a few keys.
+
+    Args:
+        values: The candidate value.
+        what: The name errors give it (the server passes ``"vllm_xargs"``).
+
+    Raises:
+        InvalidRequestError: Anything else; the message names the key path
+            (``extra_args['force']``) and what is allowed.
+    """
+    if not isinstance(values, Mapping):
+        raise InvalidRequestError(
+            what, type(values).__name__, "must be a mapping of str keys to JSON values"
+        )
+    if not values:
+        return _EMPTY_EXTRA_ARGS
+    if len(values) > MAX_EXTRA_ARGS_KEYS:
+        raise InvalidRequestError(
+            what, f"<{len(values)} keys>", f"must have at most {MAX_EXTRA_ARGS_KEYS} keys"
+        )
+    frozen = _ExtraArgsWalk(what).mapping(what, values, 1)
+    size = len(msgspec.json.encode(frozen))
+    if size > MAX_EXTRA_ARGS_BYTES:
+        raise InvalidRequestError(
+            what, f"<{size} bytes>", f"must encode to at most {MAX_EXTRA_ARGS_BYTES} bytes of JSON"
+        )
+    return frozen
+
+
+def _extra_args(values: object) -> ExtraArgs:
+    return check_extra_args(values)
+
+
+def _extra_args_repr(value: Mapping[str, Any]) -> str:
+    return short_repr(dict(value))
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How one request samples and when it stops; checked strictly at construction.
@@ -187,6 +351,13 @@ class SamplingParams:
             logprob of every prompt token given the tokens before it, plus the ``k``
             most likely alternatives, in ``RequestOutput.prompt_logprobs``. Such a
             request computes its whole prompt: no prefix-cache hits, no connector loads.
+        extra_args: Per-request arguments for custom logits stages (vLLM's field; the
+            server's ``vllm_xargs``), read as ``params.extra_args.get("force")``: a
+            mapping of ``str`` keys to JSON values (see :func:`check_extra_args` for the
+            bounds: at most :data:`MAX_EXTRA_ARGS_KEYS` keys and
+            :data:`MAX_EXTRA_ARGS_BYTES` bytes of JSON). Stored read-only
+            (:class:`ExtraArgs`: lists become tuples); ``repr`` shows its first items.
+            kvstep's own stages never read it.
 
     Logprobs follow vLLM V1's default: ``log_softmax`` of the model's **raw** logits,
     in float32, before ``logit_bias``, the penalties, temperature, ``min_p``, top-k
@@ -219,6 +390,9 @@ class SamplingParams:
     detokenize: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    extra_args: Mapping[str, Any] = attrs.field(
+        default=_EMPTY_EXTRA_ARGS, converter=_extra_args, repr=_extra_args_repr
+    )
 
     def __attrs_post_init__(self) -> None:
         error = InvalidRequestError
@@ -269,6 +443,8 @@ class SamplingParams:
                 raise error("stop", self.stop, "stop strings need detokenize=true")
         if not isinstance(self.stop_token_ids, frozenset):  # decoded, not converted
             raise error("stop_token_ids", self.stop_token_ids, "must be a set of token ids")
+        if type(self.extra_args) is not ExtraArgs:  # decoded, not converted
+            normalised["extra_args"] = check_extra_args(self.extra_args)
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
 
