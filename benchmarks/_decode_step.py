@@ -19,7 +19,10 @@ size ``HIDDEN``) saved with ``save_pretrained``:
 * ``kvstep`` handed over: in series with ``inline_forward_below_s=0``: every forward
   pass and its sampling handed to the compute thread and back (two thread wake-ups);
 * ``kvstep`` inline: in series with ``inline_forward=True``: every forward pass and its
-  sampling on the event loop's thread.
+  sampling on the event loop's thread;
+* ``kvstep`` + no-op logits stage: the async-scheduling engine with a user's
+  :class:`~pipeline.LogitsStage` that returns its logits unchanged inserted after
+  ``logits`` (issue 25: the seam's price; goal <= 1.05x the plain async engine).
 
 Rounds alternate the contenders so that they share any drift of a shared machine. The
 per-stage medians of kvstep's engine and worker steps come from the step log's
@@ -55,6 +58,23 @@ MODEL = dict(
 )
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 11]
 GOAL_RATIO = 1.15
+GOAL_SEAM_RATIO = 1.05
+
+
+def _noop_graph(graph: Any) -> Any:
+    """The default worker graph with a no-op logits stage after ``logits``."""
+    from typing import ClassVar
+
+    from pipeline import LogitsStage
+
+    @attrs.frozen
+    class NoopLogits(LogitsStage):
+        name: ClassVar[str] = "noop_logits"
+
+        def apply(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
+            return logits
+
+    return graph.insert_after("logits", NoopLogits())
 
 
 def _bare_ms(model: Any, tokens: int) -> float:
@@ -118,6 +138,7 @@ async def _measure_async(path: Path, tokens: int, rounds: int) -> dict[str, Any]
     # kvstep's contenders: sample key -> (its step log's per-stage key, its config).
     contenders = {
         "kvstep": ("stages_us", attrs.evolve(in_series, async_scheduling=True)),
+        "kvstep_noop": ("stages_noop_us", attrs.evolve(in_series, async_scheduling=True)),
         "kvstep_sync": ("stages_in_series_us", in_series),
         "kvstep_handed": ("stages_handed_us", attrs.evolve(in_series, inline_forward_below_s=0.0)),
         "kvstep_inline": ("stages_inline_us", attrs.evolve(in_series, inline_forward=True)),
@@ -128,7 +149,9 @@ async def _measure_async(path: Path, tokens: int, rounds: int) -> dict[str, Any]
     samples: dict[str, list[float]] = {name: [] for name in (*contenders, "bare", "generate")}
     async with contextlib.AsyncExitStack() as stack:
         engines = {
-            name: await stack.enter_async_context(AsyncEngine(config))
+            name: await stack.enter_async_context(
+                AsyncEngine(config, worker_graph=_noop_graph if name == "kvstep_noop" else None)
+            )
             for name, (_, config) in contenders.items()
         }
         for engine in engines.values():
@@ -145,6 +168,7 @@ async def _measure_async(path: Path, tokens: int, rounds: int) -> dict[str, Any]
     return {
         **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
         **{f"ratio_{k}_bare": round(ms[k] / ms["bare"], 3) for k in (*contenders, "generate")},
+        "ratio_kvstep_noop_kvstep": round(ms["kvstep_noop"] / ms["kvstep"], 3),
         **{
             key: {k: round(statistics.median(v) * 1e6, 1) for k, v in per_stage.items()}
             for key, per_stage in stages.items()
@@ -166,6 +190,7 @@ def measure_decode_step(
         torch.set_num_threads(threads)
     return {"model": {**MODEL, "parameters": params}, "threads": 1, "dtype": "float32",
             "backend": backend, "tokens": tokens, "rounds": rounds, "goal_ratio": GOAL_RATIO,
+            "goal_seam_ratio": GOAL_SEAM_RATIO,
             **row}  # fmt: skip
 
 
@@ -178,6 +203,7 @@ def print_decode_step(row: dict[str, Any]) -> None:
     print(f"  {'contender':<34} {'ms/token':>9} {'vs bare':>8}")
     for label, key, ratio in (
         ("kvstep, async scheduling", "kvstep_ms", "ratio_kvstep_bare"),
+        ("kvstep, async + no-op logits stage", "kvstep_noop_ms", "ratio_kvstep_noop_bare"),
         ("kvstep, in series (default)", "kvstep_sync_ms", "ratio_kvstep_sync_bare"),
         ("kvstep, in series, handed over", "kvstep_handed_ms", "ratio_kvstep_handed_bare"),
         ("kvstep, in series, inline_forward", "kvstep_inline_ms", "ratio_kvstep_inline_bare"),
@@ -186,8 +212,15 @@ def print_decode_step(row: dict[str, Any]) -> None:
     ):
         times = f"{row[ratio]:.2f}x" if ratio else "1.00x"
         print(f"  {label:<34} {row[key]:9.3f} {times:>8}")
+    print(
+        f"  no-op logits stage / plain: {row['ratio_kvstep_noop_kvstep']:.3f}x "
+        f"(goal <= {row['goal_seam_ratio']}x)"
+    )
     print(f"  goal: kvstep/bare <= {row['goal_ratio']}x; per-stage medians (µs):")
     print(f"    {'stage':<24} {'async':>8} {'in series':>10} {'handed':>8} {'inline':>8}")
+    noop = row["stages_noop_us"]
+    for name in [n for n in noop if n not in row["stages_in_series_us"]]:
+        print(f"    {name:<24} {noop[name]:8.1f} (async + no-op stage)")
     for name, us in row["stages_in_series_us"].items():
         asy = row["stages_us"].get(name, float("nan"))
         hand = row["stages_handed_us"].get(name, float("nan"))

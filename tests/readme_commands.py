@@ -75,9 +75,11 @@ class BlockProcess:
 
 
 @contextlib.contextmanager
-def run_block(text: str, tmp: Path, env: dict[str, str] | None = None) -> Iterator[BlockProcess]:
-    """Run ``text`` verbatim with ``bash`` in ``tmp`` (kvstep's cache there too), stop
-    everything it started on exit (SIGTERM to its session, then SIGKILL)."""
+def run_block(
+    text: str, tmp: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Iterator[BlockProcess]:
+    """Run ``text`` verbatim with ``bash`` in ``cwd`` (default ``tmp``; kvstep's cache in
+    ``tmp``), stop everything it started on exit (SIGTERM to its session, then SIGKILL)."""
     _shim(tmp / "bin")
     environ = {**os.environ, **(env or {})}
     environ["PATH"] = f"{tmp / 'bin'}{os.pathsep}{environ.get('PATH', '')}"
@@ -90,7 +92,7 @@ def run_block(text: str, tmp: Path, env: dict[str, str] | None = None) -> Iterat
             ["bash", "-c", text + "\nwait\n"],
             stdout=out,
             stderr=subprocess.STDOUT,
-            cwd=tmp,
+            cwd=cwd or tmp,
             env=environ,
             start_new_session=True,
         )

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from readme_commands import BlockProcess, readme_block, run_block
+from readme_commands import ROOT, BlockProcess, readme_block, run_block
 from server_process import launch
 
 _PROMPT_TOKENS = 300
@@ -212,3 +212,14 @@ class TestRoutingCommands:
     def test_tokens_equal_a_single_servers(self, routing_run: dict[str, Any]) -> None:
         """Greedy token ids through the proxy are one replica's, asked directly."""
         assert routing_run["via_proxy"] == routing_run["alone"]
+
+
+class TestContributingCommands:
+    """The README's "run one test" block of "Contributing", typed as is from the root."""
+
+    def test_one_test_runs(self, tmp_path: Path) -> None:
+        """The block runs the one fusion test it names, and it passes."""
+        text = readme_block("python -m pytest -q tests/pipeline/test_compute_fusion.py")
+        with run_block(text, tmp_path, cwd=ROOT) as block:
+            assert block.process.wait(timeout=240) == 0, block.log_text()
+        assert "1 passed" in block.log_text(), block.log_text()
