@@ -25,9 +25,26 @@ from pipeline.artifacts import RankOutputs, SchedulerOutput, WorkerOutput
 from pipeline.errors import WorkerDiedError, WorkerFailedError
 from pipeline.kernel.context import StepContext
 
-__all__ = ["ExecuteStage", "Executor", "SubmittedStep", "answered_outputs"]
+__all__ = ["AnsweredRanks", "ExecuteStage", "Executor", "SubmittedStep", "answered_outputs"]
 
-_ANSWERED = "execute.answered"
+
+@attrs.frozen(kw_only=True)
+class AnsweredRanks:
+    """The outputs of the ranks that did answer in a step ``execute`` failed.
+
+    ``execute`` leaves it in the step's context (``ctx.put``) when some ranks raised or
+    missed the deadline (not when the step was cancelled, nor when every rank answered);
+    the engine's failure finalizer reads it with ``ctx.maybe(AnsweredRanks)`` and hands
+    their transfer reports to the aggregator, since those ranks' connectors will not
+    repeat them (:mod:`stages.fail_step`).
+
+    Attributes:
+        step_id: The step.
+        outputs: The answering ranks' outputs, in rank order.
+    """
+
+    step_id: int
+    outputs: tuple[WorkerOutput, ...]
 
 
 class SubmittedStep(NamedTuple):
@@ -73,14 +90,14 @@ class Executor(Protocol):
 
 
 def answered_outputs(ctx: StepContext) -> tuple[WorkerOutput, ...] | None:
-    """The outputs of the ranks that did answer in a step ``execute`` failed, or ``None``.
+    """The outputs of the ranks that did answer in a step ``execute`` failed, or ``None``
+    (:class:`AnsweredRanks`)."""
+    answered = ctx.maybe(AnsweredRanks)
+    return None if answered is None else answered.outputs
 
-    Set when some ranks raised or missed the deadline (not when the step was cancelled);
-    the engine's failure finalizer hands their transfer reports to the aggregator, since
-    those ranks' connectors will not repeat them.
-    """
-    answered: tuple[WorkerOutput, ...] | None = ctx.scratch.get(_ANSWERED)
-    return answered
+
+def _answered(step_id: int, results: Sequence[WorkerOutput | None]) -> AnsweredRanks:
+    return AnsweredRanks(step_id=step_id, outputs=tuple(o for o in results if o is not None))
 
 
 def _combine(step_id: int, failures: Sequence[WorkerFailedError]) -> WorkerFailedError:
@@ -89,7 +106,7 @@ def _combine(step_id: int, failures: Sequence[WorkerFailedError]) -> WorkerFaile
     With one failure that failure is returned as is. With several, a new error carries
     the lowest rank and its report, and a message naming every rank and its reason; the
     other ranks' errors (and the first one's cause) are chained as an exception group in
-    ``__cause__``, where :func:`pipeline.kernel.failure.describe_failure` finds them.
+    ``__cause__``, where :func:`stages.fail_step.describe_failure` finds them.
     """
     ordered = sorted(failures, key=lambda f: f.rank)
     if len(ordered) == 1:
@@ -132,9 +149,9 @@ class ExecuteStage:
     whether or not another rank fails: when one raises, the task group cancels the
     others, whose ``clear`` still runs.
 
-    When the step fails, the outputs of the ranks that did answer are left for the
-    engine's failure finalizer (:func:`answered_outputs`), which records their transfer
-    reports: their connectors will not repeat them.
+    When the step fails, the outputs of the ranks that did answer are left in the
+    context as :class:`AnsweredRanks` for the engine's failure finalizer, which records
+    their transfer reports: their connectors will not repeat them.
 
     Cancellation-safe: cancelling the step cancels every rank's task (each runs its
     finalizers) and re-raises.
@@ -187,13 +204,13 @@ class ExecuteStage:
         except BaseExceptionGroup as group:
             failures = _worker_failures(group)
             if not failures:
-                ctx.scratch[_ANSWERED] = tuple(out for out in results if out is not None)
+                ctx.put(_answered(step_id, results))
                 raise
             error = _combine(step_id, failures)
         if error is not None:
             # Raised outside the handler so that the failures are chained only once
             # (``__cause__``), never again as ``__context__``.
-            ctx.scratch[_ANSWERED] = tuple(out for out in results if out is not None)
+            ctx.put(_answered(step_id, results))
             raise error
         return RankOutputs(
             step_id=step_id,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 import attrs
@@ -18,17 +19,34 @@ from pipeline.artifacts import (
 )
 from pipeline.kernel.context import StepContext
 
-__all__ = ["FinishedStage"]
+__all__ = ["FinishedStage", "UnsentTransfers"]
 
 
-@attrs.define
-class _Reports:
-    """Transfers ``get_finished`` handed over that no step's output has carried yet."""
+@attrs.define(eq=False)
+class UnsentTransfers:
+    """Transfers a rank's ``get_finished`` handed over that no ``WorkerOutput`` has
+    carried yet: the one piece of the worker step that outlives a step.
+
+    An input of the worker graph: one per rank, kept across that rank's steps by its
+    :class:`~pipeline.executors.worker.Worker`, which puts it in every step's context,
+    so the stages stay free of state and a graph may be shared. Not thread-safe: one
+    rank's steps use it, one after the other.
+
+    Attributes:
+        sending: Requests whose KV the connector reported sent.
+        recving: Requests whose KV the connector reported received.
+    """
 
     sending: set[str] = attrs.Factory(set)
     recving: set[str] = attrs.Factory(set)
 
+    def keep(self, sending: Iterable[str], recving: Iterable[str]) -> None:
+        """Add what ``get_finished`` just handed over."""
+        self.sending.update(sending)
+        self.recving.update(recving)
+
     def take(self) -> tuple[frozenset[str], frozenset[str]]:
+        """Everything kept, as ``(sending, recving)``; empties it."""
         taken = frozenset(self.sending), frozenset(self.recving)
         self.sending.clear()
         self.recving.clear()
@@ -41,18 +59,23 @@ class FinishedStage:
     why: ``get_load_failures``, asked only when some block failed).
 
     ``get_finished`` hands its reports over once; when a query after it (the stats, the
-    load errors) fails the step, the reports are kept and go out with the next step
-    that reaches this stage, so a finished transfer is never lost (the scheduler side
-    takes a report twice as once).
+    load errors) fails the step, the reports are kept in the rank's
+    :class:`UnsentTransfers` (a graph input) and go out with the next step of that
+    rank that reaches this stage, so a finished transfer is never lost (the scheduler
+    side takes a report twice as once). The stage itself holds no state.
     """
 
     name: ClassVar[str] = "finished"
-    requires: ClassVar[tuple[type, ...]] = (SchedulerOutput, SampledTokens, SaveResult)
+    requires: ClassVar[tuple[type, ...]] = (
+        SchedulerOutput,
+        SampledTokens,
+        SaveResult,
+        UnsentTransfers,
+    )
     provides: ClassVar[type] = WorkerOutput
 
     rank: int = 0
     connector: KVConnectorWorker | None = None
-    _pending: _Reports = attrs.field(factory=_Reports, init=False, repr=False, eq=False)
 
     async def run(self, ctx: StepContext) -> WorkerOutput:
         scheduler_output = ctx.get(SchedulerOutput)
@@ -71,13 +94,12 @@ class FinishedStage:
                 prompt_logprobs=samples.prompt_logprobs,
             )
         finished = await self.connector.get_finished(scheduler_output.finished_req_ids)
-        pending = self._pending
-        pending.sending.update(finished.sending)
-        pending.recving.update(finished.recving)
+        unsent = ctx.get(UnsentTransfers)
+        unsent.keep(finished.sending, finished.recving)
         loaded_tokens, loaded_bytes, saved_tokens, saved_bytes = self.connector.get_kv_stats()
         invalid = frozenset(self.connector.get_block_ids_with_load_errors())
         failures = self.connector.get_load_failures() if invalid else None
-        sending, recving = pending.take()
+        sending, recving = unsent.take()
         return WorkerOutput(
             rank=self.rank,
             step_id=scheduler_output.step_id,

@@ -17,13 +17,13 @@ from stages.execute import ExecuteStage, Executor
 from stages.fail_step import FailStepStage
 from stages.fan_in import FanInAggregator, FanInStage
 from stages.finalize import ClearConnectorStage
-from stages.finished import FinishedStage
+from stages.finished import FinishedStage, UnsentTransfers
 from stages.forward.stage import ForwardStage
 from stages.load import LoadStage
 from stages.logits import LogitsAdjustStage
 from stages.sample import SampleStage
 from stages.save import SaveStage
-from stages.schedule_stage import ScheduleStage, UpdateStage
+from stages.schedule_stage import ScheduleStage, StepLink, UpdateStage
 
 if TYPE_CHECKING:
     from stages.forward.runner import ModelRunner
@@ -59,7 +59,7 @@ def default_worker_graph(
                 (connector,) if connector is not None else (), timeout_s=finalizer_timeout_s
             ),
         ],
-        inputs=(SchedulerOutput,),
+        inputs=(SchedulerOutput, UnsentTransfers),
         name="worker",
     )
 
@@ -70,21 +70,25 @@ def default_engine_graph(
     *,
     aggregator: FanInAggregator,
     fan_in_timeout_s: float = 300.0,
+    ahead: bool = False,
 ) -> StepGraph:
     """The engine graph: schedule, run the ranks, merge, update; a failed step fails
     its requests in the ``fail_step`` finalizer.
 
     ``aggregator`` carries the transfer lease (``FanInAggregator(lease_s=...)``) and is
     shared with the engine, which forgets aborted requests in it. ``fan_in_timeout_s``
-    is the deadline under which ``execute`` awaits every rank's output.
+    is the deadline under which ``execute`` awaits every rank's output. ``ahead``
+    (async scheduling): every step's :class:`~stages.schedule_stage.StepLink` is an
+    input of the graph, which ``schedule`` takes to plan ahead of the step before.
     """
     return StepGraph(
         [
-            ScheduleStage(scheduler),
+            ScheduleStage(scheduler, ahead=ahead),
             ExecuteStage(executor, timeout_s=fan_in_timeout_s),
             FanInStage(aggregator),
             UpdateStage(scheduler),
             FailStepStage(scheduler, aggregator, executor),
         ],
+        inputs=(StepLink,) if ahead else (),
         name="engine",
     )

@@ -19,21 +19,20 @@ from pipeline.kernel.context import StepContext
 if TYPE_CHECKING:
     from stages.schedule.scheduler import Scheduler
 
-__all__ = ["AHEAD", "ScheduleStage", "StepLink", "UpdateStage"]
-
-
-AHEAD = "schedule.ahead"
-"""``ctx.scratch`` key of the engine step's :class:`StepLink` (async scheduling only)."""
+__all__ = ["ScheduleStage", "StepLink", "UpdateStage"]
 
 
 @attrs.define(eq=False)
 class StepLink:
     """How an engine step follows the one before it when steps are scheduled ahead.
 
-    The engine puts one in each step's ``ctx.scratch[AHEAD]``; ``schedule`` sets
-    ``scheduled`` once the step is planned (the engine may then plan the next one), and
-    the engine sets ``done`` (with ``failed``) once the step's outputs are applied or
-    its requests failed.
+    An input artifact of the engine graph under async scheduling
+    (``default_engine_graph(..., ahead=True)``): the engine puts one in each step's
+    context (:mod:`pipeline.engine.ahead`). ``schedule`` sets ``scheduled`` once the
+    step is planned (the engine may then plan the next one), and the engine sets
+    ``done`` (with ``failed``) once the step's outputs are applied or its requests
+    failed. Mutable by design: it is the hand-over between two steps in flight, and
+    belongs to the one step whose context holds it.
 
     Attributes:
         previous: The step planned before this one, while it may still run; ``schedule``
@@ -67,22 +66,33 @@ class StepLink:
 class ScheduleStage:
     """Runs the scheduler: which requests advance this step and by how many tokens.
 
-    With a :class:`StepLink` in the step's scratch (the engine's async scheduling), the
-    step is planned at once, possibly while the previous step still runs; the stage
-    then waits for that step to be applied and returns the plan resolved against it
+    With ``ahead`` (the engine's async scheduling) it requires the step's
+    :class:`StepLink` (an input of the engine graph): the step is planned at once,
+    possibly while the previous step still runs; the stage then waits for that step to
+    be applied and returns the plan resolved against it
     (:meth:`Scheduler.resolve_ahead <stages.schedule.scheduler.Scheduler.resolve_ahead>`:
     placeholders filled in, ended requests out). Its duration in the step log then
-    includes that wait (``StepLink.waited_s``).
+    includes that wait (``StepLink.waited_s``). Without a previous step in the link it
+    plans as without ``ahead``.
+
+    Args:
+        scheduler: The engine's scheduler.
+        ahead: Take the step's :class:`StepLink` and plan ahead of the previous step.
     """
 
     name: ClassVar[str] = "schedule"
-    requires: ClassVar[tuple[type, ...]] = ()
     provides: ClassVar[type] = SchedulerOutput
 
     scheduler: Scheduler
+    ahead: bool = attrs.field(default=False, kw_only=True)
+
+    @property
+    def requires(self) -> tuple[type, ...]:
+        """``(StepLink,)`` when planning ahead, else nothing."""
+        return (StepLink,) if self.ahead else ()
 
     async def run(self, ctx: StepContext) -> SchedulerOutput:
-        link: StepLink | None = ctx.scratch.get(AHEAD)
+        link = ctx.get(StepLink) if self.ahead else None
         previous = None if link is None else link.previous
         output = self.scheduler.schedule(ahead=previous is not None)
         if link is None:

@@ -4,10 +4,12 @@
 planned: the scheduler counts N's sampled tokens as placeholders) as soon as step N is
 planned; its ``schedule`` stage then waits until N's outputs are applied and resolves
 its plan against them (:mod:`stages.schedule.lookahead`), so N+1's workers see the same
-batch, tokens and seeds as without it. While N+1's forward pass runs, the loop hands
-N's outputs to their streams and plans N+2. Every step still runs its whole graph, one
-after the other on each rank: ``clear`` runs once per step per rank, last; fan-in and
-the failure of a step are those of the step alone.
+batch, tokens and seeds as without it. The two steps meet through N+1's
+:class:`~stages.schedule_stage.StepLink`, an input of the engine graph
+(``default_engine_graph(..., ahead=True)``) that ``schedule`` requires. While N+1's
+forward pass runs, the loop hands N's outputs to their streams and plans N+2. Every step
+still runs its whole graph, one after the other on each rank: ``clear`` runs once per
+step per rank, last; fan-in and the failure of a step are those of the step alone.
 """
 
 from __future__ import annotations

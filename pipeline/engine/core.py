@@ -6,24 +6,21 @@ the step loop) and, through it, by :class:`~pipeline.engine.llm.LLM`.
 
 from __future__ import annotations
 
-import math
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
-import anyio
 import attrs
 
 from connectors.base import KVConnectorRole, KVConnectorScheduler
 from connectors.registry import create_connector, get_connector
-from pipeline.artifacts import EngineStepOutput, SchedulerOutput
+from pipeline.artifacts import EngineStepOutput
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.engine.admission import check_params, check_prompt, new_request
-from pipeline.engine.cancel import consume_native_cancel
 from pipeline.engine.kv_events import start_kv_events
 from pipeline.engine.output_text import OutputText
 from pipeline.engine.step_record import record_engine_step
-from pipeline.errors import EngineDeadError, StepCancelledError
+from pipeline.errors import EngineDeadError
 from pipeline.executors.backends import start_executor
 from pipeline.executors.protocol import Executor
 from pipeline.executors.worker import Worker
@@ -34,11 +31,12 @@ from pipeline.request import RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.tokenizer import load_tokenizer
 from pipeline.transfer_params import check_transfer_params
+from stages.fail_step import step_error
 from stages.fan_in import FanInAggregator
 from stages.forward.builtin import tokenizer_dir
 from stages.graphs import default_engine_graph
 from stages.schedule.scheduler import Scheduler
-from stages.schedule_stage import AHEAD, StepLink
+from stages.schedule_stage import StepLink
 
 __all__ = ["EngineCore", "GraphArg"]
 
@@ -105,6 +103,7 @@ class EngineCore:
                 self.executor,
                 aggregator=self.aggregator,
                 fan_in_timeout_s=config.fan_in_timeout_s,
+                ahead=config.async_scheduling,
             ),
         )
         self.async_scheduling = config.async_scheduling
@@ -236,13 +235,15 @@ class EngineCore:
     async def step(self, link: StepLink | None = None) -> EngineStepOutput:
         """Run one engine step: ``schedule → execute → fan_in → update ⟂ fail_step``.
 
-        With ``link`` (async scheduling), the step is planned at once and runs once
+        With ``link`` (async scheduling: an input of the engine graph, which its
+        ``schedule`` stage takes), the step is planned at once and runs once
         ``link.previous`` is applied (:mod:`pipeline.engine.ahead`); ``link`` is
         finished once its outputs are applied or its requests failed.
 
         A failing step fails its own requests, not the engine: the graph's ``fail_step``
         finalizer (:class:`~stages.fail_step.FailStepStage`) fails them and leaves their
-        outputs as the step's result, which this returns.
+        outputs as the step's result, which this returns. What is re-raised instead is
+        decided by :func:`stages.fail_step.step_error` (the failure table there).
 
         Raises:
             EngineDeadError: A worker rank is gone for good.
@@ -251,35 +252,38 @@ class EngineCore:
                 state), or when no finalizer failed the step's requests.
         """
         self._raise_if_dead()
-        ctx = StepContext(self.scheduler.next_step_id, None)
-        if link is not None:
-            ctx.scratch[AHEAD] = link
+        ctx = StepContext(self.scheduler.next_step_id, None, inputs=self._step_inputs(link))
         with bind_step(ctx.step_id):
             try:
-                try:
-                    await self.engine_graph.run(ctx)
-                except anyio.get_cancelled_exc_class() as cancel:
-                    if anyio.current_effective_deadline() == -math.inf:
-                        raise  # a cancel scope around the engine asked: propagate
-                    consume_native_cancel()  # fail_step failed the step's requests
-                    raise StepCancelledError(ctx.step_id) from cancel
-            except Exception as exc:
-                if ctx.maybe(SchedulerOutput) is None:
+                await self.engine_graph.run(ctx)
+            except BaseException as exc:
+                error = step_error(ctx, exc, dead=self._dead_error())
+                if error is exc:
                     raise
-                self._raise_if_dead()
-                if ctx.maybe(EngineStepOutput) is None:
-                    raise
-                if ctx.error is None:  # the body succeeded; only finalizers failed
-                    _log.error("step_finalizers_failed", step_id=ctx.step_id, error=repr(exc))
+                if error is not None:
+                    raise error from error.__cause__
             finally:
-                self._add_text(ctx)
-                if link is not None:
-                    link.finish(failed=ctx.error is not None or EngineStepOutput not in ctx)
-                if self.kv_events is not None:
-                    self.kv_events.flush()
-                if ctx.report is not None:
-                    record_engine_step(self.step_log, ctx)
+                self._end_step(ctx)
         return ctx.get(EngineStepOutput)
+
+    def _step_inputs(self, link: StepLink | None) -> tuple[object, ...]:
+        """The engine graph's inputs for one step: its ``link`` under async scheduling
+        (a fresh one, with no step before it, when the caller gave none)."""
+        if StepLink not in self.engine_graph.inputs:
+            return () if link is None else (link,)
+        return (StepLink() if link is None else link,)
+
+    def _end_step(self, ctx: StepContext) -> None:
+        """After every step, whatever happened: text and stop strings, the link's
+        hand-over to the next step, the KV events, the step log."""
+        self._add_text(ctx)
+        link = ctx.maybe(StepLink)
+        if link is not None:
+            link.finish(failed=ctx.error is not None or EngineStepOutput not in ctx)
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        if ctx.report is not None:
+            record_engine_step(self.step_log, ctx)
 
     def publish_kv_events(self) -> None:
         """Publish the KV events recorded since the last batch (no-op when off)."""
@@ -294,14 +298,23 @@ class EngineCore:
             ctx.put(attrs.evolve(out, outputs=self.output_text.process(out.outputs)))
 
     def _raise_if_dead(self) -> None:
+        dead = self._dead_error()
+        if dead is not None:
+            raise dead from dead.__cause__
+
+    def _dead_error(self) -> EngineDeadError | None:
+        """The engine's death, if the executor recorded one (its cause chained)."""
         # The executor's recorded failure only: has_work() polls the workers (the loop
         # calls it before every step), and a step notices a death through its replies.
         failure = self.executor.failure
-        if failure is not None:
-            raise EngineDeadError(
-                f"worker rank {failure.rank} died: {failure.reason}; "
-                f"the {self.config.executor} executor cannot run another step"
-            ) from failure
+        if failure is None:
+            return None
+        dead = EngineDeadError(
+            f"worker rank {failure.rank} died: {failure.reason}; "
+            f"the {self.config.executor} executor cannot run another step"
+        )
+        dead.__cause__ = failure
+        return dead
 
     # ------------------------------------------------------------ introspection
 

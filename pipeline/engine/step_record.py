@@ -10,7 +10,7 @@ from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
 from pipeline.kernel.context import StepContext
 from pipeline.request import RequestOutput
 from pipeline.steplog import StepLog
-from stages.schedule_stage import AHEAD, StepLink
+from stages.schedule_stage import StepLink
 
 __all__ = ["record_engine_step"]
 
@@ -25,7 +25,7 @@ def record_engine_step(step_log: StepLog, ctx: StepContext) -> None:
     request_times = _request_times(out.outputs) if finished and out is not None else {}
     stats = out.stats if out is not None else None
     ahead: dict[str, float] = {}
-    link: StepLink | None = ctx.scratch.get(AHEAD)
+    link = ctx.maybe(StepLink)
     if link is not None:  # async scheduling: how long schedule waited for the step before
         ahead["waited_for_previous_ms"] = round(link.waited_s * 1e3, 3)
     step_log.record_step(

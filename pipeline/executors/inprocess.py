@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
@@ -12,6 +11,7 @@ from pipeline.artifacts import SchedulerOutput, WorkerOutput
 from pipeline.errors import WorkerDiedError, WorkerFailedError
 from pipeline.executors.worker import Worker
 from stages.execute import SubmittedStep
+from stages.fail_step import cancelled_from_outside
 
 __all__ = ["InProcessExecutor"]
 
@@ -21,14 +21,15 @@ async def _rank_step(worker: Worker, scheduler_output: SchedulerOutput) -> Worke
 
     A cancellation from an enclosing cancel scope (execute's deadline or task group, the
     engine closing) propagates. A native ``task.cancel()`` of the rank's task that no
-    scope asked for (no enclosing scope is cancelled) would otherwise end the task
-    quietly: anyio's task group swallows it and execute would return without this rank.
-    It becomes a :class:`WorkerFailedError` naming the rank instead.
+    scope asked for (:func:`~stages.fail_step.cancelled_from_outside` is false) would
+    otherwise end the task quietly: anyio's task group swallows it and execute would
+    return without this rank. It becomes a :class:`WorkerFailedError` naming the rank
+    instead (:mod:`stages.fail_step`, row 3).
     """
     try:
         return await worker.step(scheduler_output)
     except anyio.get_cancelled_exc_class() as exc:
-        if anyio.current_effective_deadline() == -math.inf:
+        if cancelled_from_outside():
             raise
         raise WorkerFailedError(
             worker.rank,

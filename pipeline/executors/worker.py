@@ -9,6 +9,7 @@ from pipeline.errors import WorkerFailedError
 from pipeline.kernel.context import StepContext
 from pipeline.kernel.graph import StepGraph
 from pipeline.steplog import StepLog, bind_step
+from stages.finished import UnsentTransfers
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorWorker
@@ -46,6 +47,7 @@ class Worker:
         self.runner = runner
         self.step_log = step_log
         self.steps = 0
+        self.unsent = UnsentTransfers()  # the rank's state across steps: a graph input
 
     async def step(self, scheduler_output: SchedulerOutput) -> WorkerOutput:
         """Run one step of the worker graph; the ``clear`` finalizer runs whatever happens.
@@ -56,7 +58,7 @@ class Worker:
             WorkerFailedError: A stage or finalizer failed; carries this rank's report.
         """
         step_id = scheduler_output.step_id
-        ctx = StepContext(step_id, self.rank, inputs=(scheduler_output,))
+        ctx = StepContext(step_id, self.rank, inputs=(scheduler_output, self.unsent))
         with bind_step(step_id, self.rank):
             try:
                 await self.graph.run(ctx)

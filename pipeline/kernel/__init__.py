@@ -7,7 +7,6 @@ stages and the connectors are built on it, never the other way round.
 from __future__ import annotations
 
 from pipeline.kernel.context import StepContext
-from pipeline.kernel.failure import describe_failure
 from pipeline.kernel.graph import StepGraph
 from pipeline.kernel.report import StageOutcome, StageRecord, StepOutcome, StepReport
 from pipeline.kernel.runner import run_step
@@ -33,7 +32,6 @@ __all__ = [
     "StepOutcome",
     "StepReport",
     "as_stage",
-    "describe_failure",
     "is_collective",
     "is_finalizer",
     "is_immediate",

@@ -34,13 +34,12 @@ from pipeline.artifacts import (
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.errors import InvalidConfigError, StageError, WorkerFailedError
 from pipeline.kernel.context import StepContext
-from pipeline.kernel.failure import describe_failure
 from pipeline.kernel.graph import StepGraph
 from pipeline.kernel.report import StepReport
 from pipeline.request import Request, RequestStatus
 from stages.aggregator import FanInAggregator
 from stages.execute import ExecuteStage
-from stages.fail_step import FailStepStage
+from stages.fail_step import FailStepStage, describe_failure
 from stages.fan_in import FanInStage
 
 W = 3
