@@ -14,16 +14,12 @@ import hmac
 import os
 from pathlib import Path
 
+from connectors.options import option_name
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["Secret", "option_name", "secret_from_env", "secret_from_file"]
 
 _HIDDEN = "<hidden>"
-
-
-def option_name(option: str) -> str:
-    """How errors name a connector option: ``connector_options['NAME']``."""
-    return f"connector_options[{option!r}]"
 
 
 class Secret:

@@ -15,40 +15,44 @@ from typing import Any
 
 import attrs
 
+from connectors.options import mapping, option, option_names, parse_options
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["MULTI_OPTIONS", "MultiOptions", "TierSpec"]
 
-MULTI_OPTIONS = ("tiers",)
-"""Every option the multi connector accepts."""
 
-_TIER_KEYS = ("connector", "options")
+def _tier_connector(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidConfigError(name, value, "must be a registered name")
+    if value == "multi":
+        raise InvalidConfigError(name, value, "a tier cannot be multi itself")
+    return value
 
 
 @attrs.frozen(kw_only=True)
 class TierSpec:
-    """One tier: a registered connector name and its own ``connector_options``."""
+    """One tier: a registered connector name and its own ``connector_options``.
 
-    connector: str
-    options: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
+    The tier's options are that connector's to check, when the tier is built (inside
+    :func:`~connectors.options.options_scope`, so its errors name
+    ``connector_options['tiers'][i]['options'][...]``).
+    """
+
+    connector: str = option(_tier_connector)
+    options: Mapping[str, Any] = option(mapping, factory=dict, eq=False)
 
 
-def _tier(index: int, raw: object) -> TierSpec:
-    where = f"connector_options['tiers'][{index}]"
-    if not isinstance(raw, Mapping):
-        raise InvalidConfigError(where, raw, "must be a mapping {'connector': name, 'options': {}}")
-    unknown = sorted(set(raw) - set(_TIER_KEYS))
-    if unknown:
-        raise InvalidConfigError(where, unknown[0], f"a tier accepts {', '.join(_TIER_KEYS)}")
-    name = raw.get("connector")
-    if not isinstance(name, str) or not name:
-        raise InvalidConfigError(f"{where}['connector']", name, "must be a registered name")
-    if name == "multi":
-        raise InvalidConfigError(f"{where}['connector']", name, "a tier cannot be multi itself")
-    options = raw.get("options", {})
-    if not isinstance(options, Mapping):
-        raise InvalidConfigError(f"{where}['options']", options, "must be a mapping")
-    return TierSpec(connector=name, options=dict(options))
+def _tiers(name: str, value: object) -> tuple[TierSpec, ...]:
+    if not isinstance(value, list | tuple) or not value:
+        raise InvalidConfigError(
+            name, value, "must be a non-empty list of {'connector': name, 'options': {...}}"
+        )
+    return tuple(
+        raw
+        if isinstance(raw, TierSpec)
+        else parse_options(TierSpec, raw, connector="a tier", where=f"{name}[{i}]")
+        for i, raw in enumerate(value)
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -59,27 +63,20 @@ class MultiOptions:
         tiers: The tiers, fastest first (at least one).
     """
 
-    tiers: tuple[TierSpec, ...]
+    tiers: tuple[TierSpec, ...] = option(_tiers)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MultiOptions:
-        """Validate ``options``; tier names are looked up when the tiers are built.
+        """Validate ``options``; once, when a half is built. Tier names are looked up,
+        and each tier's options checked, when the tiers are built.
 
         Raises:
             InvalidConfigError: An unknown option, no ``tiers``, an empty or non-list
                 ``tiers``, or a malformed tier (not a mapping, unknown key, a missing or
                 empty connector name, ``"multi"`` itself, options that are no mapping).
         """
-        unknown = sorted(set(options) - set(MULTI_OPTIONS))
-        if unknown:
-            raise InvalidConfigError(
-                "connector_options", unknown[0], f"multi accepts {', '.join(MULTI_OPTIONS)}"
-            )
-        tiers = options.get("tiers")
-        if not isinstance(tiers, list | tuple) or not tiers:
-            raise InvalidConfigError(
-                "connector_options['tiers']",
-                tiers,
-                "must be a non-empty list of {'connector': name, 'options': {...}}",
-            )
-        return cls(tiers=tuple(_tier(i, raw) for i, raw in enumerate(tiers)))
+        return parse_options(cls, options, connector="multi")
+
+
+MULTI_OPTIONS = option_names(MultiOptions)
+"""Every option the multi connector accepts."""

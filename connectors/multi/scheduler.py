@@ -42,6 +42,7 @@ from connectors.base import (
 )
 from connectors.multi.metadata import MultiMetadata
 from connectors.multi.options import MultiOptions
+from connectors.options import options_scope, options_where
 from connectors.registry import create_connector
 from pipeline.logs import get_logger
 
@@ -93,14 +94,18 @@ class MultiScheduler(KVConnectorScheduler):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.options = MultiOptions.from_options(context.options)
-        self.tiers: tuple[KVConnectorScheduler, ...] = tuple(
-            create_connector(
-                spec.connector,
-                KVConnectorRole.SCHEDULER,
-                attrs.evolve(context, options=dict(spec.options)),
-            )
-            for spec in self.options.tiers
-        )
+        where = options_where()
+        tiers: list[KVConnectorScheduler] = []
+        for i, spec in enumerate(self.options.tiers):
+            with options_scope(f"{where}['tiers'][{i}]['options']"):
+                tiers.append(
+                    create_connector(
+                        spec.connector,
+                        KVConnectorRole.SCHEDULER,
+                        attrs.evolve(context, options=dict(spec.options)),
+                    )
+                )
+        self.tiers: tuple[KVConnectorScheduler, ...] = tuple(tiers)
         self._choices: dict[str, _Choice] = {}
         self._loads: list[list[int]] = [[] for _ in self.tiers]
         self._promotions: dict[str, _Promotion] = {}

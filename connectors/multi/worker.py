@@ -38,6 +38,7 @@ from connectors.base import (
 )
 from connectors.multi.metadata import MultiMetadata
 from connectors.multi.options import MultiOptions
+from connectors.options import options_scope, options_where
 from connectors.registry import create_connector
 from pipeline.errors import StageError
 from pipeline.logs import get_logger
@@ -66,14 +67,18 @@ class MultiWorker(KVConnectorWorker):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.options = MultiOptions.from_options(context.options)
-        self.tiers: tuple[KVConnectorWorker, ...] = tuple(
-            create_connector(
-                spec.connector,
-                KVConnectorRole.WORKER,
-                attrs.evolve(context, options=dict(spec.options)),
-            )
-            for spec in self.options.tiers
-        )
+        where = options_where()
+        tiers: list[KVConnectorWorker] = []
+        for i, spec in enumerate(self.options.tiers):
+            with options_scope(f"{where}['tiers'][{i}]['options']"):
+                tiers.append(
+                    create_connector(
+                        spec.connector,
+                        KVConnectorRole.WORKER,
+                        attrs.evolve(context, options=dict(spec.options)),
+                    )
+                )
+        self.tiers: tuple[KVConnectorWorker, ...] = tuple(tiers)
         self._lock = threading.Lock()
         self._active: tuple[int, ...] = ()  # tiers bound this step
         self._load_errors: set[int] = set()  # blocks of tiers that failed to load

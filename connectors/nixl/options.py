@@ -38,28 +38,16 @@ import attrs
 
 from connectors.nixl.tickets import Ticket
 from connectors.nixl.transfer_key import TransferKey
+from connectors.options import choice, integer, number, option, option_names, parse_options
 from pipeline.checks import check_float, check_int
 from pipeline.errors import InvalidConfigError, InvalidRequestError
 
 __all__ = ["NIXL_OPTIONS", "NixlOptions", "RemotePrefill"]
 
-NIXL_OPTIONS = (
-    "role",
-    "host",
-    "port",
-    "engine_id",
-    "handshake_timeout_s",
-    "read_timeout_s",
-    "lease_s",
-    "transfer_key_env",
-    "peers",
-    "ucx_devices",
-)
-"""Every option the nixl connector accepts."""
-
 Role = Literal["producer", "consumer", "both"]
 _ROLES = ("producer", "consumer", "both")
 _MAX_BLOCKS = 1 << 20
+_seconds = number(1e-3, 86400.0, lo_open=False, allow_inf=False)
 
 
 def _name(
@@ -70,20 +58,74 @@ def _name(
     return value
 
 
+def _config_name(name: str, value: object) -> str:
+    return _name(name, value, InvalidConfigError)
+
+
+def _fresh_engine_id() -> str:
+    # Without the engine's id (a half built outside an engine) a fresh one: never an
+    # id another engine on this host would derive too (a shared port, say).
+    return uuid.uuid4().hex
+
+
+def _key_env(name: str, value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.isidentifier():
+        raise InvalidConfigError(name, value, "the name of an environment variable")
+    return value
+
+
+def _peers(field: str, value: object) -> frozenset[tuple[str, int]] | None:
+    """``["host:port", ...]`` (or a comma-separated string) as a set of addresses."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not 0 < len(items) <= 1024:
+        raise InvalidConfigError(field, value, 'a list of "host:port" (1..1024 of them)')
+    out = set()
+    for item in items:
+        host, sep, port = item.strip().rpartition(":") if isinstance(item, str) else ("", "", "")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidConfigError(field, item, 'a "host:port" side-channel address')
+        out.add((_name(field, host.strip("[]"), InvalidConfigError), int(port)))
+    return frozenset(out)
+
+
+def _devices(name: str, value: object, options: NixlOptions) -> str:
+    """``ucx_devices``, or by default loopback when nothing of this engine's is elsewhere."""
+    if value is not None:
+        if not isinstance(value, str) or not value or not value.isprintable():
+            raise InvalidConfigError(name, value, 'a device list such as "eth0"')
+        return value
+    peers = options.peers
+    local = _loopback(options.host) and all(_loopback(h) for h, _ in peers or ())
+    return "lo" if local else ""
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 @attrs.frozen(kw_only=True)
 class NixlOptions:
     """What the nixl connector was configured with (see the module docstring)."""
 
-    role: Role
-    host: str = "127.0.0.1"
-    port: int = 5600
-    engine_id: str = ""
-    handshake_timeout_s: float = 5.0
-    read_timeout_s: float = 30.0
-    lease_s: float = 60.0
-    transfer_key_env: str | None = None
-    peers: frozenset[tuple[str, int]] | None = None
-    ucx_devices: str = ""
+    role: Role = option(choice(*_ROLES))
+    host: str = option(_config_name, default="127.0.0.1")
+    port: int = option(integer(1, 65535), default=5600)
+    engine_id: str = option(_config_name, factory=_fresh_engine_id)
+    handshake_timeout_s: float = option(_seconds, default=5.0)
+    read_timeout_s: float = option(_seconds, default=30.0)
+    lease_s: float = option(_seconds, default=60.0)
+    transfer_key_env: str | None = option(_key_env, default=None)
+    peers: frozenset[tuple[str, int]] | None = option(_peers, default=None)
+    ucx_devices: str = option(_devices, default=None, takes_self=True)
 
     def allows(self, host: str, port: int) -> str:
         """Why a consumer must not connect to the producer at ``host:port``, or ``""``."""
@@ -116,105 +158,20 @@ class NixlOptions:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], engine_id: str = "") -> NixlOptions:
-        """Validate ``connector_options``; ``engine_id`` is the engine's
-        (:attr:`~connectors.types.ConnectorContext.engine_id`), the default of the option.
+        """Validate ``connector_options``, once, when a half is built; ``engine_id`` is
+        the engine's (:attr:`~connectors.types.ConnectorContext.engine_id`), the default
+        of the option (without it: a fresh uuid4).
 
         Raises:
             InvalidConfigError: An unknown option, a missing or unknown ``role``, or a
                 value out of range; the message names the option.
         """
-        unknown = sorted(set(options) - set(NIXL_OPTIONS))
-        if unknown:
-            raise InvalidConfigError(
-                "connector_options", unknown, f"unknown nixl options; allowed: {NIXL_OPTIONS}"
-            )
-        role = options.get("role")
-        if role not in _ROLES:
-            raise InvalidConfigError("connector_options['role']", role, " | ".join(_ROLES))
-
-        def seconds(key: str, default: float) -> float:
-            return check_float(
-                f"connector_options[{key!r}]",
-                options.get(key, default),
-                InvalidConfigError,
-                lo=1e-3,
-                hi=86400.0,
-            )
-
-        host = _name(
-            "connector_options['host']", options.get("host", "127.0.0.1"), InvalidConfigError
-        )
-        peers = _peers(options.get("peers"))
-        port = check_int(
-            "connector_options['port']",
-            options.get("port", 5600),
-            InvalidConfigError,
-            lo=1,
-            hi=65535,
-        )
-        # Without the engine's id (a half built outside an engine) a fresh one: never an
-        # id another engine on this host would derive too (a shared port, say).
-        engine_id = options.get("engine_id", engine_id or uuid.uuid4().hex)
-        return cls(
-            role=role,
-            host=host,
-            port=port,
-            engine_id=_name("connector_options['engine_id']", engine_id, InvalidConfigError),
-            handshake_timeout_s=seconds("handshake_timeout_s", 5.0),
-            read_timeout_s=seconds("read_timeout_s", 30.0),
-            lease_s=seconds("lease_s", 60.0),
-            transfer_key_env=_key_env(options.get("transfer_key_env")),
-            peers=peers,
-            ucx_devices=_devices(options.get("ucx_devices"), host, peers),
-        )
+        defaults = {"engine_id": engine_id} if engine_id else None
+        return parse_options(cls, options, connector="nixl", defaults=defaults)
 
 
-def _key_env(value: object) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.isidentifier():
-        raise InvalidConfigError(
-            "connector_options['transfer_key_env']", value, "the name of an environment variable"
-        )
-    return value
-
-
-def _peers(value: object) -> frozenset[tuple[str, int]] | None:
-    """``["host:port", ...]`` (or a comma-separated string) as a set of addresses."""
-    if value is None:
-        return None
-    field = "connector_options['peers']"
-    items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, list | tuple) or not 0 < len(items) <= 1024:
-        raise InvalidConfigError(field, value, 'a list of "host:port" (1..1024 of them)')
-    out = set()
-    for item in items:
-        host, sep, port = item.strip().rpartition(":") if isinstance(item, str) else ("", "", "")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidConfigError(field, item, 'a "host:port" side-channel address')
-        out.add((_name(field, host.strip("[]"), InvalidConfigError), int(port)))
-    return frozenset(out)
-
-
-def _devices(value: object, host: str, peers: frozenset[tuple[str, int]] | None) -> str:
-    """``ucx_devices``, or by default loopback when nothing of this engine's is elsewhere."""
-    if value is not None:
-        if not isinstance(value, str) or not value or not value.isprintable():
-            raise InvalidConfigError(
-                "connector_options['ucx_devices']", value, 'a device list such as "eth0"'
-            )
-        return value
-    local = _loopback(host) and all(_loopback(h) for h, _ in peers or ())
-    return "lo" if local else ""
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+NIXL_OPTIONS = option_names(NixlOptions)
+"""Every option the nixl connector accepts."""
 
 
 def _block_ids(field: str, value: object) -> tuple[int, ...]:

@@ -12,36 +12,51 @@ can never disagree about the size of the tier.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from pipeline.checks import check_float, check_int
+from connectors.options import (
+    flag,
+    option,
+    option_name,
+    option_names,
+    optional,
+    options_where,
+    parse_options,
+    positive_int,
+    positive_number,
+)
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["OFFLOAD_OPTIONS", "OffloadOptions"]
 
-OFFLOAD_OPTIONS = (
-    "num_blocks",
-    "capacity_bytes",
-    "block_bytes",
-    "async_load",
-    "verify_checksum",
-    "load_timeout_s",
+_EXACTLY_ONE = (
+    "offload needs exactly one of num_blocks (slots) or capacity_bytes "
+    "(with block_bytes, the KV bytes of one block over all layers)"
 )
-"""Every option the offload connector accepts."""
 
 
-def _positive_int(name: str, value: object) -> int:
-    return check_int(f"connector_options[{name!r}]", value, InvalidConfigError, lo=1)
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidConfigError(f"connector_options[{name!r}]", value, "must be true or false")
-    return value
+def _slots(options: OffloadOptions) -> int:
+    """``num_blocks`` when it is not given: ``capacity_bytes // block_bytes``."""
+    capacity, block_bytes = options.capacity_bytes, options.block_bytes
+    if capacity is None:
+        raise InvalidConfigError(option_name("num_blocks"), None, _EXACTLY_ONE)
+    if block_bytes is None:
+        raise InvalidConfigError(
+            option_name("block_bytes"),
+            None,
+            "capacity_bytes needs block_bytes (the KV bytes of one block over all "
+            "layers, e.g. stages.forward.kv_cache.kv_cache_block_bytes(...))",
+        )
+    if capacity // block_bytes < 1:
+        raise InvalidConfigError(
+            option_name("capacity_bytes"),
+            capacity,
+            f"must hold at least one block of {block_bytes} bytes",
+        )
+    return capacity // block_bytes
 
 
 @attrs.frozen(kw_only=True)
@@ -49,9 +64,12 @@ class OffloadOptions:
     """What the offload connector was configured with.
 
     Attributes:
-        num_blocks: Slots in the host-memory tier (the same on every rank).
+        capacity_bytes: The tier's size in bytes, when it was given that way (with
+            ``block_bytes``) instead of ``num_blocks``; else ``None``.
         block_bytes: The per-block KV size the slot count was derived from, or ``None``
-            when ``num_blocks`` was given directly.
+            when ``num_blocks`` was given directly (without it).
+        num_blocks: Slots in the host-memory tier (the same on every rank): as given, or
+            ``capacity_bytes // block_bytes``.
         async_load: Loads complete across steps: matched requests are parked in
             ``WAITING_FOR_REMOTE_KVS`` until every rank reports them in
             ``get_finished(...).recving``. Default: loads overlap the step's forward
@@ -67,70 +85,28 @@ class OffloadOptions:
             step's loads as failed instead of hanging the forward pass.
     """
 
-    num_blocks: int
-    block_bytes: int | None = None
-    async_load: bool = False
-    verify_checksum: bool = False
-    load_timeout_s: float = 60.0
+    capacity_bytes: int | None = option(optional(positive_int), default=None)
+    block_bytes: int | None = option(optional(positive_int), default=None)
+    num_blocks: int = option(positive_int, default=attrs.Factory(_slots, takes_self=True))
+    async_load: bool = option(flag, default=False)
+    verify_checksum: bool = option(flag, default=False)
+    load_timeout_s: float = option(positive_number, default=60.0)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> OffloadOptions:
-        """Validate ``options`` (``EngineConfig.connector_options``).
+        """Validate ``options`` (``EngineConfig.connector_options``); once, when a half
+        is built.
 
         Raises:
             InvalidConfigError: An unknown option, a bad value, neither or both of
                 ``num_blocks`` / ``capacity_bytes``, ``capacity_bytes`` without
                 ``block_bytes``, or a capacity smaller than one block.
         """
-        unknown = sorted(set(options) - set(OFFLOAD_OPTIONS))
-        if unknown:
-            raise InvalidConfigError(
-                "connector_options", unknown[0], f"offload accepts {', '.join(OFFLOAD_OPTIONS)}"
-            )
-        has_blocks, has_bytes = "num_blocks" in options, "capacity_bytes" in options
-        if has_blocks == has_bytes:
-            raise InvalidConfigError(
-                "connector_options",
-                dict(options),
-                "offload needs exactly one of num_blocks (slots) or capacity_bytes "
-                "(with block_bytes, the KV bytes of one block over all layers)",
-            )
-        block_bytes: int | None = None
-        if has_blocks:
-            if "block_bytes" in options:
-                block_bytes = _positive_int("block_bytes", options["block_bytes"])
-            num_blocks = _positive_int("num_blocks", options["num_blocks"])
-        else:
-            capacity = _positive_int("capacity_bytes", options["capacity_bytes"])
-            if "block_bytes" not in options:
-                raise InvalidConfigError(
-                    "connector_options['block_bytes']",
-                    None,
-                    "capacity_bytes needs block_bytes (the KV bytes of one block over all "
-                    "layers, e.g. stages.forward.kv_cache.kv_cache_block_bytes(...))",
-                )
-            block_bytes = _positive_int("block_bytes", options["block_bytes"])
-            num_blocks = capacity // block_bytes
-            if num_blocks < 1:
-                raise InvalidConfigError(
-                    "connector_options['capacity_bytes']",
-                    capacity,
-                    f"must hold at least one block of {block_bytes} bytes",
-                )
-        timeout = options.get("load_timeout_s", 60.0)
-        timeout = check_float(
-            "connector_options['load_timeout_s']",
-            timeout,
-            InvalidConfigError,
-            lo=0.0,
-            hi=math.inf,
-            lo_open=True,
-            allow_inf=True,
-        )
-        return cls(
-            num_blocks=num_blocks,
-            block_bytes=block_bytes,
-            async_load=_flag("async_load", options.get("async_load", False)),
-            verify_checksum=_flag("verify_checksum", options.get("verify_checksum", False)),
-            load_timeout_s=timeout,
-        )
+        parsed = parse_options(cls, options, connector="offload")
+        if "num_blocks" in options and "capacity_bytes" in options:
+            raise InvalidConfigError(options_where(), dict(options), _EXACTLY_ONE)
+        return parsed
+
+
+OFFLOAD_OPTIONS = option_names(OffloadOptions)
+"""Every option the offload connector accepts."""

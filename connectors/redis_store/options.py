@@ -2,33 +2,30 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
 from connectors.integrity import FrameSigner
+from connectors.options import (
+    derived,
+    flag,
+    option,
+    option_name,
+    option_names,
+    optional,
+    parse_options,
+    positive_int,
+    positive_number,
+    string,
+)
 from connectors.secrets import Secret, secret_from_env, secret_from_file
-from pipeline.checks import check_float, check_int
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["REDIS_OPTIONS", "RedisOptions"]
-
-REDIS_OPTIONS = (
-    "url",
-    "password_env",
-    "password_file",
-    "tls",
-    "key_prefix",
-    "ttl_s",
-    "pool_size",
-    "timeout_s",
-    "load_timeout_s",
-    "hmac_key_env",
-)
-"""Every option the redis connector accepts."""
 
 DEFAULT_TTL_S: float | None = 86400.0
 """The default ``ttl_s``: a day. A stored block reveals its prompt to whoever can read
@@ -37,10 +34,6 @@ unless ``ttl_s=None`` is asked for (then bound the server with ``maxmemory`` and
 ``maxmemory-policy allkeys-lru``)."""
 
 _SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-def _name(option: str) -> str:
-    return f"connector_options[{option!r}]"
 
 
 def _redacted(url: str) -> str:
@@ -56,19 +49,35 @@ def _redacted(url: str) -> str:
         return "<unparsable url>"
 
 
-def _password(options: Mapping[str, Any]) -> Secret | None:
-    """The password from ``password_env`` or ``password_file`` (at most one)."""
-    if "password" in options:
+def _url(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value.startswith(_SCHEMES):
+        shown = _redacted(value) if isinstance(value, str) else value
         raise InvalidConfigError(
-            _name("password"),
-            "<hidden>",
-            "a password is never given literally (it would show in configs and logs): "
-            "use password_env (an environment variable's name) or password_file (a path)",
+            name, shown, "required: a URL starting with " + " | ".join(_SCHEMES)
         )
-    env, path = options.get("password_env"), options.get("password_file")
+    if _redacted(value) != value:
+        raise InvalidConfigError(name, _redacted(value), "no password in the URL: use password_env")
+    return value
+
+
+def _env_var(name: str, value: object) -> object:
+    """Kept as given: :func:`~connectors.secrets.secret_from_env` checks the name when the
+    derived field reads the variable."""
+    return value
+
+
+def _file_path(name: str, value: object) -> str:
+    if not isinstance(value, str | Path) or not str(value):
+        raise InvalidConfigError(name, value, "must be the path of a file")
+    return str(value)
+
+
+def _password(options: RedisOptions) -> Secret | None:
+    """The password from ``password_env`` or ``password_file`` (at most one)."""
+    env, path = options.password_env, options.password_file
     if env is not None and path is not None:
         raise InvalidConfigError(
-            _name("password_file"), path, "give password_env or password_file, not both"
+            option_name("password_file"), path, "give password_env or password_file, not both"
         )
     if env is not None:
         return secret_from_env("password_env", env)
@@ -77,10 +86,17 @@ def _password(options: Mapping[str, Any]) -> Secret | None:
     return None
 
 
-def _number(option: str, value: object) -> float:
-    return check_float(
-        _name(option), value, InvalidConfigError, lo=0.0, hi=math.inf, lo_open=True, allow_inf=True
-    )
+def _tls(name: str, value: object, options: RedisOptions) -> bool:
+    """``tls``; a ``rediss://`` URL turns it on, a ``unix://`` one refuses it."""
+    tls = flag(name, value)
+    if tls and options.url.startswith("unix://"):
+        raise InvalidConfigError(name, tls, "needs a redis:// or rediss:// url")
+    return tls or options.url.startswith("rediss://")
+
+
+def _signer(options: RedisOptions) -> FrameSigner | None:
+    key_env = options.hmac_key_env
+    return None if key_env is None else FrameSigner.from_env("hmac_key_env", key_env)
 
 
 @attrs.frozen(kw_only=True)
@@ -120,18 +136,18 @@ class RedisOptions:
         signer: The signer of that key (prints as ``FrameSigner(<hidden>)``).
     """
 
-    url: str
-    password_env: str | None = None
-    password_file: str | None = None
-    password: Secret | None = attrs.field(default=None, eq=False)
-    tls: bool = False
-    key_prefix: str = "kvstep:"
-    ttl_s: float | None = DEFAULT_TTL_S
-    pool_size: int = 8
-    timeout_s: float = 0.1
-    load_timeout_s: float = 5.0
-    hmac_key_env: str | None = None
-    signer: FrameSigner | None = attrs.field(default=None, eq=False)
+    url: str = option(_url)
+    password_env: str | None = option(_env_var, default=None)
+    password_file: str | None = option(optional(_file_path), default=None)
+    password: Secret | None = derived(_password, eq=False)
+    tls: bool = option(_tls, default=False, takes_self=True)
+    key_prefix: str = option(string, default="kvstep:")
+    ttl_s: float | None = option(optional(positive_number), default=DEFAULT_TTL_S)
+    pool_size: int = option(positive_int, default=8)
+    timeout_s: float = option(positive_number, default=0.1)
+    load_timeout_s: float = option(positive_number, default=5.0)
+    hmac_key_env: str | None = option(_env_var, default=None)
+    signer: FrameSigner | None = derived(_signer, eq=False)
 
     @property
     def client_url(self) -> str:
@@ -142,7 +158,8 @@ class RedisOptions:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> RedisOptions:
-        """Validate ``options`` (``EngineConfig.connector_options``).
+        """Validate ``options`` (``EngineConfig.connector_options``); once, when a half
+        is built.
 
         Raises:
             InvalidConfigError: An unknown option, a missing or malformed ``url``, a
@@ -151,49 +168,15 @@ class RedisOptions:
                 ``password_file``, or a value of the wrong type or range; the message
                 names the option, never a secret.
         """
-        unknown = sorted(set(options) - set(REDIS_OPTIONS) - {"password"})
-        if unknown:
+        if isinstance(options, Mapping) and "password" in options:
             raise InvalidConfigError(
-                "connector_options", unknown[0], f"redis accepts {', '.join(REDIS_OPTIONS)}"
+                option_name("password"),
+                "<hidden>",
+                "a password is never given literally (it would show in configs and logs): "
+                "use password_env (an environment variable's name) or password_file (a path)",
             )
-        url = options.get("url")
-        if not isinstance(url, str) or not url.startswith(_SCHEMES):
-            shown = _redacted(url) if isinstance(url, str) else url
-            raise InvalidConfigError(
-                _name("url"), shown, "required: a URL starting with " + " | ".join(_SCHEMES)
-            )
-        if _redacted(url) != url:
-            raise InvalidConfigError(
-                _name("url"), _redacted(url), "no password in the URL: use password_env"
-            )
-        password = _password(options)
-        key_env = options.get("hmac_key_env")
-        signer = None if key_env is None else FrameSigner.from_env("hmac_key_env", key_env)
-        tls = options.get("tls", False)
-        if not isinstance(tls, bool):
-            raise InvalidConfigError(_name("tls"), tls, "must be true or false")
-        if tls and url.startswith("unix://"):
-            raise InvalidConfigError(_name("tls"), tls, "needs a redis:// or rediss:// url")
-        prefix = options.get("key_prefix", "kvstep:")
-        if not isinstance(prefix, str):
-            raise InvalidConfigError(_name("key_prefix"), prefix, "must be a string")
-        ttl = options.get("ttl_s", DEFAULT_TTL_S)
-        pool_size = check_int(
-            _name("pool_size"), options.get("pool_size", 8), InvalidConfigError, lo=1
-        )
-        return cls(
-            url=url,
-            password_env=options.get("password_env"),
-            password_file=None
-            if options.get("password_file") is None
-            else str(options["password_file"]),
-            password=password,
-            tls=tls or url.startswith("rediss://"),
-            key_prefix=prefix,
-            ttl_s=None if ttl is None else _number("ttl_s", ttl),
-            pool_size=pool_size,
-            timeout_s=_number("timeout_s", options.get("timeout_s", 0.1)),
-            load_timeout_s=_number("load_timeout_s", options.get("load_timeout_s", 5.0)),
-            hmac_key_env=key_env,
-            signer=signer,
-        )
+        return parse_options(cls, options, connector="redis")
+
+
+REDIS_OPTIONS = option_names(RedisOptions)
+"""Every option the redis connector accepts."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -10,29 +9,35 @@ from typing import Any
 import attrs
 
 from connectors.integrity import FrameSigner
-from pipeline.checks import check_float, check_int
+from connectors.options import (
+    derived,
+    flag,
+    option,
+    option_names,
+    optional,
+    parse_options,
+    positive_int,
+    positive_number,
+)
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["SHARED_STORAGE_OPTIONS", "SharedStorageOptions"]
 
-SHARED_STORAGE_OPTIONS = (
-    "path",
-    "max_bytes",
-    "load_timeout_s",
-    "stale_temp_s",
-    "allow_shared",
-    "hmac_key_env",
-)
-"""Every option the shared_storage connector accepts."""
+
+def _directory(name: str, value: object) -> Path:
+    if not isinstance(value, str | Path) or not str(value):
+        raise InvalidConfigError(name, value, "shared_storage needs a directory path")
+    return Path(value)
 
 
-def _positive(name: str, value: object, kind: type) -> Any:
-    field = f"connector_options[{name!r}]"
-    if kind is int:
-        return check_int(field, value, InvalidConfigError, lo=1)
-    return check_float(
-        field, value, InvalidConfigError, lo=0.0, hi=math.inf, lo_open=True, allow_inf=True
-    )
+def _key_env(name: str, value: object) -> object:
+    """Kept as given: :meth:`~connectors.integrity.FrameSigner.from_env` checks it."""
+    return value
+
+
+def _signer(options: SharedStorageOptions) -> FrameSigner | None:
+    key_env = options.hmac_key_env
+    return None if key_env is None else FrameSigner.from_env("hmac_key_env", key_env)
 
 
 @attrs.frozen(kw_only=True)
@@ -75,47 +80,25 @@ class SharedStorageOptions:
         signer: The signer of that key (never shown in a repr).
     """
 
-    path: Path
-    max_bytes: int | None = None
-    load_timeout_s: float = 30.0
-    stale_temp_s: float = 300.0
-    allow_shared: bool = False
-    hmac_key_env: str | None = None
-    signer: FrameSigner | None = attrs.field(default=None, eq=False)
+    path: Path = option(_directory)
+    max_bytes: int | None = option(optional(positive_int), default=None)
+    load_timeout_s: float = option(positive_number, default=30.0)
+    stale_temp_s: float = option(positive_number, default=300.0)
+    allow_shared: bool = option(flag, default=False)
+    hmac_key_env: str | None = option(_key_env, default=None)
+    signer: FrameSigner | None = derived(_signer, eq=False)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> SharedStorageOptions:
-        """Validate ``options`` (``EngineConfig.connector_options``).
+        """Validate ``options`` (``EngineConfig.connector_options``); once, when a half
+        is built.
 
         Raises:
             InvalidConfigError: An unknown option, no ``path``, a bad value, or an
                 ``hmac_key_env`` variable that is unset or empty.
         """
-        unknown = sorted(set(options) - set(SHARED_STORAGE_OPTIONS))
-        if unknown:
-            allowed = ", ".join(SHARED_STORAGE_OPTIONS)
-            raise InvalidConfigError(
-                "connector_options", unknown[0], f"shared_storage accepts {allowed}"
-            )
-        path = options.get("path")
-        if not isinstance(path, (str, Path)) or not str(path):
-            raise InvalidConfigError(
-                "connector_options['path']", path, "shared_storage needs a directory path"
-            )
-        max_bytes = options.get("max_bytes")
-        allow_shared = options.get("allow_shared", False)
-        if not isinstance(allow_shared, bool):
-            raise InvalidConfigError(
-                "connector_options['allow_shared']", allow_shared, "must be true or false"
-            )
-        key_env = options.get("hmac_key_env")
-        signer = None if key_env is None else FrameSigner.from_env("hmac_key_env", key_env)
-        return cls(
-            path=Path(path),
-            max_bytes=None if max_bytes is None else _positive("max_bytes", max_bytes, int),
-            load_timeout_s=_positive("load_timeout_s", options.get("load_timeout_s", 30.0), float),
-            stale_temp_s=_positive("stale_temp_s", options.get("stale_temp_s", 300.0), float),
-            allow_shared=allow_shared,
-            hmac_key_env=key_env,
-            signer=signer,
-        )
+        return parse_options(cls, options, connector="shared_storage")
+
+
+SHARED_STORAGE_OPTIONS = option_names(SharedStorageOptions)
+"""Every option the shared_storage connector accepts."""

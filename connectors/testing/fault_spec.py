@@ -20,6 +20,7 @@ import attrs
 import msgspec
 import structlog
 
+from connectors.options import mapping, option, parse_options
 from pipeline.checks import check_float, check_int
 from pipeline.errors import FaultInjected, InvalidConfigError
 
@@ -68,7 +69,6 @@ CALLS: Mapping[str, tuple[str, ...]] = {
 """Each connector call a fault may name, and the actions it allows there."""
 
 _LAYER_CALLS = ("wait_for_layer_load", "save_kv_layer")
-_OPTIONS = ("faults", "inner", "inner_options")
 
 
 def _opt_int(name: str, value: object, minimum: int) -> None:
@@ -160,45 +160,42 @@ class FiredFault:
     fault: Fault
 
 
+def _inner(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidConfigError(name, value, "must name the registered connector to wrap")
+    return value
+
+
+def _faults(name: str, value: object) -> tuple[Fault, ...]:
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
+        raise InvalidConfigError(name, value, "must be a list of faults")
+    return tuple(Fault.coerce(f) for f in value)
+
+
 @attrs.frozen(kw_only=True)
 class FaultyOptions:
-    """``connector_options`` of the ``"faulty"`` connector, validated."""
+    """``connector_options`` of the ``"faulty"`` connector, validated.
 
-    inner: str
-    inner_options: dict[str, Any]
-    faults: tuple[Fault, ...]
+    Attributes:
+        faults: The faults to inject.
+        inner: The registered connector wrapped.
+        inner_options: Its own options (checked by it, when it is built).
+    """
+
+    faults: tuple[Fault, ...] = option(_faults, default=())
+    inner: str = option(_inner)
+    inner_options: dict[str, Any] = option(mapping, factory=dict)
 
 
 def parse_faulty_options(options: Mapping[str, Any]) -> FaultyOptions:
-    """Validate ``{"inner": name, "inner_options": {...}, "faults": [...]}``.
+    """Validate ``{"inner": name, "inner_options": {...}, "faults": [...]}``; once, when a
+    half is built.
 
     Raises:
         InvalidConfigError: An unknown key, a missing or empty ``inner``, options that
             are not a mapping, faults that are not a list, or a bad fault.
     """
-    unknown = sorted(set(options) - set(_OPTIONS), key=str)
-    if unknown:
-        raise InvalidConfigError(
-            "connector_options key", unknown[0], f"faulty allows: {', '.join(_OPTIONS)}"
-        )
-    inner = options.get("inner")
-    if not isinstance(inner, str) or not inner:
-        raise InvalidConfigError(
-            "connector_options['inner']", inner, "must name the registered connector to wrap"
-        )
-    inner_options = options.get("inner_options", {})
-    if not isinstance(inner_options, Mapping):
-        raise InvalidConfigError(
-            "connector_options['inner_options']", inner_options, "must be a mapping"
-        )
-    faults = options.get("faults", ())
-    if isinstance(faults, str | bytes | Mapping) or not isinstance(faults, Sequence):
-        raise InvalidConfigError("connector_options['faults']", faults, "must be a list of faults")
-    return FaultyOptions(
-        inner=inner,
-        inner_options=dict(inner_options),
-        faults=tuple(Fault.coerce(f) for f in faults),
-    )
+    return parse_options(FaultyOptions, options, connector="faulty")
 
 
 def current_step_id() -> int | None:

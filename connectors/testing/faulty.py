@@ -69,6 +69,7 @@ from connectors.base import (
     RequestFinishedResult,
     WorkerFinished,
 )
+from connectors.options import options_scope, options_where
 from connectors.registry import create_connector, register_connector
 from connectors.testing.fault_spec import (
     FaultInjector,
@@ -129,7 +130,8 @@ class FaultyConnector:
         def __init__(self, context: ConnectorContext) -> None:
             super().__init__(context)
             name, inner_ctx, self._faults = _setup(context)
-            self.inner = create_connector(name, "scheduler", inner_ctx)
+            with options_scope(f"{options_where()}['inner_options']"):
+                self.inner = create_connector(name, "scheduler", inner_ctx)
             self._last_meta: KVConnectorMetadata | None = None
 
         def get_num_new_matched_tokens(
@@ -188,7 +190,8 @@ class FaultyConnector:
         def __init__(self, context: ConnectorContext) -> None:
             super().__init__(context)
             name, inner_ctx, self._faults = _setup(context)
-            self.inner = create_connector(name, "worker", inner_ctx)
+            with options_scope(f"{options_where()}['inner_options']"):
+                self.inner = create_connector(name, "worker", inner_ctx)
             self._forward: ForwardContext | None = None  # this step's, from start_load_kv
 
         @property
