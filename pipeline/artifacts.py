@@ -9,12 +9,13 @@ values that msgspec encodes without pickle.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import attrs
 
 from pipeline.config import SamplingParams
+from pipeline.errors import short_repr
 from pipeline.logprobs import TokenLogprob
 from pipeline.request import RequestOutput
 
@@ -31,6 +32,7 @@ __all__ = [
     "SampledTokens",
     "ScheduledRequest",
     "SchedulerOutput",
+    "TokenIds",
     "WorkerOutput",
 ]
 
@@ -40,6 +42,64 @@ PLACEHOLDER_TOKEN = -1
 ``ScheduledRequest.token_ids`` when that token is the one the step before samples. The
 engine replaces it with the sampled token before the step reaches a worker; a worker
 never sees it."""
+
+TokenIds = tuple[int, ...]
+"""The tokens one request sampled in one step, in order (one without speculative
+decoding; the accepted drafts and one more with it)."""
+
+
+def _token_sequences(value: Mapping[str, int | Sequence[int]]) -> dict[str, TokenIds]:
+    """``value`` with a tuple of tokens per request; a bare ``int`` is a one-token
+    sequence (a list becomes a tuple). The mapping itself is copied only when an entry
+    changes (the hot path hands over tuples already).
+
+    Raises:
+        TypeError: An entry is neither an ``int`` nor a tuple or list of them.
+    """
+    if all(type(v) is tuple for v in value.values()):
+        return cast("dict[str, TokenIds]", value if type(value) is dict else dict(value))
+    out: dict[str, TokenIds] = {}
+    for req_id, tokens in value.items():
+        if type(tokens) is tuple:
+            out[req_id] = tokens
+        elif isinstance(tokens, int) and not isinstance(tokens, bool):
+            out[req_id] = (tokens,)
+        elif isinstance(tokens, list):
+            out[req_id] = tuple(tokens)
+        else:
+            raise TypeError(
+                f"sampled tokens of {req_id!r}: {short_repr(tokens, 80)}; must be an int "
+                "(one token) or a tuple or list of token ids"
+            )
+    return out
+
+
+def _logprob_sequences(
+    value: Mapping[str, TokenLogprob | Sequence[TokenLogprob]],
+) -> dict[str, tuple[TokenLogprob, ...]]:
+    """``value`` with a tuple of logprobs per request (one per sampled token); a bare
+    :class:`TokenLogprob` is a one-entry sequence (a list becomes a tuple).
+
+    Raises:
+        TypeError: An entry is neither a ``TokenLogprob`` nor a tuple or list of them.
+    """
+    if all(type(v) is tuple for v in value.values()):
+        done = value if type(value) is dict else dict(value)
+        return cast("dict[str, tuple[TokenLogprob, ...]]", done)
+    out: dict[str, tuple[TokenLogprob, ...]] = {}
+    for req_id, entries in value.items():
+        if type(entries) is tuple:
+            out[req_id] = entries
+        elif isinstance(entries, TokenLogprob):
+            out[req_id] = (entries,)
+        elif isinstance(entries, list):
+            out[req_id] = tuple(entries)
+        else:
+            raise TypeError(
+                f"sampled-token logprobs of {req_id!r}: {short_repr(entries, 80)}; must be "
+                "a TokenLogprob (one token) or a tuple or list of them, one per token"
+            )
+    return out
 
 
 @attrs.frozen(kw_only=True)
@@ -71,6 +131,11 @@ class ScheduledRequest:
             ``p + 1``, so these are the prompt tokens after ``num_computed_tokens``, up
             to the chunk's end + 1 (the next chunk's first token) and at most to the
             prompt's end. Empty otherwise.
+        draft_token_ids: Speculative tokens scheduled after ``token_ids`` (the step
+            computes them too, at the positions that follow, and verifies them); only
+            when ``sample``. The scheduler's budget and KV slots count them; those a
+            step rejects are taken back from the request's computed tokens, and their
+            KV is never cached. Empty without speculative decoding.
     """
 
     req_id: str
@@ -83,10 +148,17 @@ class ScheduledRequest:
     num_output_tokens: int
     prefix_token_ids: tuple[int, ...] = ()
     prompt_logprob_targets: tuple[int, ...] = ()
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
+        """Known tokens computed this step (``len(token_ids)``; drafts not counted)."""
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed this step: ``token_ids`` and ``draft_token_ids``."""
+        return len(self.token_ids) + len(self.draft_token_ids)
 
 
 @attrs.frozen(kw_only=True)
@@ -109,7 +181,8 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
+        """Tokens the step computes over every request, drafts included (the budget)."""
+        return sum(len(r.token_ids) + len(r.draft_token_ids) for r in self.requests)
 
     @property
     def is_empty(self) -> bool:
@@ -149,21 +222,27 @@ class ModelOutput:
 
 @attrs.frozen(kw_only=True)
 class SampledTokens:
-    """One sampled token per request that sampled this step.
+    """The tokens each request that sampled this step got, as a sequence per request.
+
+    Without speculative decoding a sequence holds one token; a bare ``int`` given to the
+    constructor is taken as that one-token sequence (and a bare ``TokenLogprob`` as a
+    one-entry ``logprobs``), so ``SampledTokens(token_ids={"a": 5})`` holds ``(5,)``.
 
     Attributes:
-        token_ids: Request id → its sampled token.
+        token_ids: Request id → its sampled tokens, in order.
         errors: Request id → why its row could not be sampled (it has no token and
             fails alone, ``finish_reason="error"``).
-        logprobs: Request id → the logprob of its sampled token, for the requests
-            that set ``SamplingParams.logprobs``.
+        logprobs: Request id → the logprob of each of its sampled tokens (one entry per
+            token of ``token_ids``), for the requests that set ``SamplingParams.logprobs``.
         prompt_logprobs: Request id → the logprobs of this chunk's prompt targets
             (one per ``ScheduledRequest.prompt_logprob_targets``), in order.
     """
 
-    token_ids: dict[str, int] = attrs.field(factory=dict)
+    token_ids: dict[str, TokenIds] = attrs.field(factory=dict, converter=_token_sequences)
     errors: dict[str, str] = attrs.field(factory=dict)
-    logprobs: dict[str, TokenLogprob] = attrs.field(factory=dict)
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(
+        factory=dict, converter=_logprob_sequences
+    )
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
 
 
@@ -296,7 +375,8 @@ class WorkerOutput:
     Attributes:
         rank: The rank that produced it.
         step_id: The step it belongs to.
-        sampled_token_ids: Tokens sampled this step (driver rank only; others empty).
+        sampled_token_ids: Tokens sampled this step, a sequence per request (driver rank
+            only; others empty). A bare ``int`` is taken as a one-token sequence.
         finished_sending: Requests whose KV this rank finished sending.
         finished_recving: Requests whose KV this rank finished receiving.
         invalid_block_ids: Blocks whose KV failed to load on this rank.
@@ -306,14 +386,15 @@ class WorkerOutput:
         stats: Connector traffic of this step on this rank.
         load_failures: Why the blocks of ``invalid_block_ids`` failed (those the
             connector named a cause for).
-        logprobs: Logprob of each sampled token whose request asked (driver only).
+        logprobs: Logprobs of the sampled tokens whose request asked, one per token of
+            its sequence (driver only).
         prompt_logprobs: Logprobs of each request's prompt targets this step
             (``SampledTokens.prompt_logprobs``; driver only).
     """
 
     rank: int
     step_id: int
-    sampled_token_ids: dict[str, int] = attrs.field(factory=dict)
+    sampled_token_ids: dict[str, TokenIds] = attrs.field(factory=dict, converter=_token_sequences)
     finished_sending: frozenset[str] = frozenset()
     finished_recving: frozenset[str] = frozenset()
     invalid_block_ids: frozenset[int] = frozenset()
@@ -321,7 +402,9 @@ class WorkerOutput:
     request_errors: dict[str, str] = attrs.field(factory=dict)
     stats: KVStats = attrs.field(factory=KVStats)
     load_failures: LoadFailures = attrs.field(factory=LoadFailures)
-    logprobs: dict[str, TokenLogprob] = attrs.field(factory=dict)
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(
+        factory=dict, converter=_logprob_sequences
+    )
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
 
 
@@ -347,7 +430,8 @@ class FanInOutput:
 
     Attributes:
         step_id: The step.
-        sampled_token_ids: Tokens sampled this step (from the driver rank 0).
+        sampled_token_ids: Tokens sampled this step, a sequence per request (from the
+            driver rank 0). A bare ``int`` is taken as a one-token sequence.
         finished_sending: Requests whose KV every rank has now reported sent (each is
             released once, possibly steps after the first rank's report).
         finished_recving: Requests whose KV every rank has now reported received.
@@ -364,12 +448,13 @@ class FanInOutput:
         stats: Connector traffic of this step, merged over ranks (bytes summed, tokens once).
         load_failures: Why the blocks of ``invalid_block_ids`` failed (union per cause).
         num_ranks: How many ranks' outputs were merged.
-        logprobs: Logprobs of the sampled tokens (from the driver rank 0).
+        logprobs: Logprobs of the sampled tokens, one per token of each sequence (from
+            the driver rank 0).
         prompt_logprobs: Logprobs of the prompt targets (from the driver rank 0).
     """
 
     step_id: int
-    sampled_token_ids: dict[str, int] = attrs.field(factory=dict)
+    sampled_token_ids: dict[str, TokenIds] = attrs.field(factory=dict, converter=_token_sequences)
     finished_sending: frozenset[str] = frozenset()
     finished_recving: frozenset[str] = frozenset()
     expired_sending: frozenset[str] = frozenset()
@@ -381,7 +466,9 @@ class FanInOutput:
     stats: KVStats = attrs.field(factory=KVStats)
     load_failures: LoadFailures = attrs.field(factory=LoadFailures)
     num_ranks: int = 1
-    logprobs: dict[str, TokenLogprob] = attrs.field(factory=dict)
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(
+        factory=dict, converter=_logprob_sequences
+    )
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
 
 

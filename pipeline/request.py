@@ -50,6 +50,9 @@ class Request:
     """One generation request, owned and mutated by the scheduler only.
 
     ``all_token_ids`` is prompt + output and grows as tokens are sampled.
+    ``draft_token_ids`` are speculative tokens proposed to follow it (vLLM's
+    ``spec_token_ids``): the next step computes and verifies them, and the scheduler
+    consumes them when it schedules that step; empty without speculative decoding.
     ``num_computed_tokens`` counts the tokens whose KV is in the cache (from compute,
     the prefix cache or a connector). ``block_hashes`` holds the chained hash of every
     *full* block of ``all_token_ids``; the scheduler extends it as tokens arrive.
@@ -59,6 +62,7 @@ class Request:
         "all_token_ids",
         "arrival_time",
         "block_hashes",
+        "draft_token_ids",
         "eos_token_id",
         "error",
         "finished_time",
@@ -109,6 +113,7 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.block_hashes: list[bytes] = []
+        self.draft_token_ids: list[int] = []
         self.error: str | None = None
         # Set at admission (checked, a copy) for the connector to read; replaced by
         # what the connector's ``request_finished`` returned once the request finishes.
@@ -135,6 +140,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Known tokens and drafts: what the scheduler brings ``num_computed_tokens``
+        up to (vLLM's arithmetic for chunked prefill, prefix caching and speculative
+        decoding alike)."""
+        return len(self.all_token_ids) + len(self.draft_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

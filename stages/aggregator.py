@@ -1,13 +1,14 @@
 """The fan-in aggregator: merges one step's ``WorkerOutput`` of every rank.
 
-Merging is associative and order-free: sampled tokens, their logprobs and prompt
-logprobs come from the driver rank (0), load-error block ids (and their causes, per
-cause), failed saves and per-request errors are unioned, stats are merged (bytes
-summed, tokens counted once: every rank moves the same tokens). A request's ``finished_sending`` /
-``finished_recving`` is released to the scheduler only once **every** rank has reported
-it, possibly in different steps. Unlike vLLM's ``KVOutputAggregator``, which counts
-occurrences, the aggregator keeps the *set* of ranks per request, so a rank reporting
-twice counts once and can never stand in for a rank that is silent.
+Merging is associative and order-free: sampled tokens (a sequence per request), their
+logprobs (one per token) and prompt logprobs come from the driver rank (0), load-error
+block ids (and their causes, per cause), failed saves and per-request errors are
+unioned, stats are merged (bytes summed, tokens counted once: every rank moves the same
+tokens). A request's ``finished_sending`` / ``finished_recving`` is released to the
+scheduler only once **every** rank has reported it, possibly in different steps. Unlike
+vLLM's ``KVOutputAggregator``, which counts occurrences, the aggregator keeps the *set*
+of ranks per request, so a rank reporting twice counts once and can never stand in for
+a rank that is silent.
 
 Each pending entry has a **lease**, started by the first rank's report: ``lease_steps``
 engine steps and/or ``lease_s`` seconds. An entry still incomplete when its lease runs
@@ -116,7 +117,7 @@ class FanInAggregator:
         """
         now = time.monotonic() if now is None else now
         self._step = step_id
-        sampled: dict[str, int] = {}
+        sampled: dict[str, tuple[int, ...]] = {}
         driver: WorkerOutput | None = None
         invalid: set[int] = set()
         failed_saves: set[str] = set()

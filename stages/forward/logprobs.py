@@ -182,7 +182,7 @@ def add_logprobs(
     """
     by_id = {r.req_id: r for r in scheduler_output.requests}
     asks = [
-        LogprobRequest(req_id, row, (sampled.token_ids[req_id],), k)
+        LogprobRequest(req_id, row, sampled.token_ids[req_id], k)
         for row, req_id in enumerate(model_output.req_ids)
         if req_id in sampled.token_ids and (k := by_id[req_id].sampling.logprobs) is not None
     ]
@@ -204,6 +204,6 @@ def add_logprobs(
         sampled,
         token_ids={k: v for k, v in sampled.token_ids.items() if k not in failed},
         errors={**failed, **sampled.errors},
-        logprobs={k: v[0] for k, v in token_lps.logprobs.items() if k not in failed},
+        logprobs={k: v for k, v in token_lps.logprobs.items() if k not in failed},
         prompt_logprobs={k: v for k, v in prompt_lps.logprobs.items() if k not in failed},
     )

@@ -115,7 +115,9 @@ class StepSampler:
         req_ids = [batch.req_ids[i] for i in rows]
         return SampledTokens(
             token_ids={
-                req_id: tok for req_id, tok in zip(req_ids, tokens, strict=True) if tok is not None
+                req_id: (tok,)
+                for req_id, tok in zip(req_ids, tokens, strict=True)
+                if tok is not None
             },
             errors={**failed, **{req_ids[row]: reason for row, reason in errors.items()}},
         )

@@ -6,7 +6,9 @@ belongs. Once N's output is applied (or N failed), :func:`resolve_ahead` makes N
 a step planned after N would have run:
 
 - a placeholder becomes the token N sampled for that request (now in its
-  ``all_token_ids``);
+  ``all_token_ids``); when N gave the request several tokens, the token N+1 was to
+  sample is known already, so N+1 computes its chunk without sampling (the next step
+  computes the rest of N's tokens and samples);
 - a request that ended since N+1 was planned (stopped by N's token, aborted, failed
   with N) leaves the step; its id already waits in the next step's
   ``finished_req_ids``;
@@ -87,7 +89,12 @@ def resolve_ahead(
             kept.append(item)
             continue
         known = tuple(request.all_token_ids[start:stop])
-        kept.append(attrs.evolve(item, token_ids=known))
+        if item.sample and stop < request.num_tokens:  # N sampled this token already
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+            kept.append(attrs.evolve(item, token_ids=known, sample=False))
+        else:
+            kept.append(attrs.evolve(item, token_ids=known))
         changed = True
     for req_id in reversed(preempt):  # front of the queue, in their batch order
         state.kv.uncache_step_blocks(req_id)

@@ -1,7 +1,11 @@
 """One scheduling decision: vLLM-V1-style continuous batching over a token budget.
 
 Running requests go first, in admission order, each taking ``min(remaining tokens,
-remaining budget)`` (a decode token or the next prefill chunk). When the pool cannot
+remaining budget)`` (a decode token or the next prefill chunk). As in vLLM V1, the
+remaining tokens are those up to ``num_tokens_with_spec``: a request's draft tokens
+(speculative decoding) follow its last known token in the same step, count against the
+budget and get KV slots like any other (the update takes rejected ones back), and are
+consumed when scheduled. When the pool cannot
 hold a running request's next tokens, the last running request is preempted by
 recompute, repeatedly, until the allocation fits or the request itself was the last one.
 Then, only if nobody was preempted, waiting requests are admitted first come first
@@ -16,7 +20,8 @@ scheduling): a request that samples in a step counts one output placeholder unti
 token is applied, and the next step schedules that token as
 :data:`~pipeline.artifacts.PLACEHOLDER_TOKEN` (the engine fills it in before the step
 runs, :mod:`stages.schedule.lookahead`). A request whose placeholder would reach
-``max_tokens`` or the longest length is not scheduled ahead: it finishes with it.
+``max_tokens`` or the longest length is not scheduled ahead: it finishes with it. Drafts
+follow known tokens only: a request with a token in flight is scheduled without them.
 """
 
 from __future__ import annotations
@@ -114,8 +119,12 @@ def _schedule_running(
             ending += 1
             index += 1
             continue
-        known = request.num_tokens + request.num_output_placeholders
+        pending = request.num_output_placeholders
+        # vLLM's num_tokens_with_spec; drafts never follow a token still in flight.
+        known = request.num_tokens + pending if pending else request.num_tokens_with_spec
         num_new = min(known - request.num_computed_tokens, budget)
+        if limits.max_len is not None:  # no KV position past the longest length
+            num_new = min(num_new, limits.max_len - request.num_computed_tokens)
         if num_new <= 0:
             index += 1
             continue
@@ -256,16 +265,23 @@ def _schedule(state: SchedulerState, request: Request, num_new: int) -> Schedule
     Tokens past ``request.num_tokens`` (sampled by a step whose output is not applied
     yet) are sent as :data:`PLACEHOLDER_TOKEN`; a request that samples in this step
     counts one more placeholder until :func:`~stages.schedule.update.apply_output`.
+    The part of ``num_new`` past the last known token is the request's drafts (as
+    many as fit; the rest are dropped, and every draft is consumed).
     """
     req_id = request.request_id
     block_ids = state.kv.get_block_ids(req_id)
     num_sent = state.sent_blocks.get(req_id)
     start = request.num_computed_tokens
     pending = request.num_output_placeholders
-    token_ids = tuple(request.all_token_ids[start : start + num_new])
-    if len(token_ids) < num_new:
-        token_ids += (PLACEHOLDER_TOKEN,) * (num_new - len(token_ids))
-    sample = start + num_new == request.num_tokens + pending
+    num_known = min(num_new, request.num_tokens + pending - start)
+    token_ids = tuple(request.all_token_ids[start : start + num_known])
+    if len(token_ids) < num_known:
+        token_ids += (PLACEHOLDER_TOKEN,) * (num_known - len(token_ids))
+    draft_token_ids: tuple[int, ...] = ()
+    if request.draft_token_ids:
+        draft_token_ids = tuple(request.draft_token_ids[: num_new - num_known])
+        request.draft_token_ids = []
+    sample = start + num_known == request.num_tokens + pending
     item = ScheduledRequest(
         req_id=req_id,
         token_ids=token_ids,
@@ -279,12 +295,13 @@ def _schedule(state: SchedulerState, request: Request, num_new: int) -> Schedule
         prompt_logprob_targets=(
             tuple(
                 request.all_token_ids[
-                    start + 1 : min(start + num_new + 1, request.num_prompt_tokens)
+                    start + 1 : min(start + num_known + 1, request.num_prompt_tokens)
                 ]
             )
             if request.needs_prompt_logprobs
             else ()
         ),
+        draft_token_ids=draft_token_ids,
     )
     state.sent_blocks[req_id] = len(block_ids)
     request.num_computed_tokens = start + num_new

@@ -191,6 +191,7 @@ class SchedulerState:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight for it is dropped
+        request.draft_token_ids = []  # drafts follow tokens it no longer has computed
         request.num_preemptions += 1
         self.sent_blocks.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)

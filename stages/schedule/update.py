@@ -4,7 +4,10 @@ In order: blocks that failed to load (truncate and recompute, or fail the reques
 per ``load_failure_policy``; the first request of each cause is logged as a warning,
 the later ones at debug level); requests that failed alone in the step
 (``request_errors``: ``"error"``, the others are unaffected); sampled tokens, block
-hashes and stop checks for the requests the step scheduled; async loads that
+hashes and stop checks for the requests the step scheduled (a request's tokens are a
+sequence: each is appended and checked in turn, and those after the first that ends
+the request are dropped, as vLLM's ``update_from_output`` does; drafts the step
+rejected are taken back from its computed tokens); async loads that
 completed (``finished_recving``: the request becomes schedulable); sends that
 completed (``finished_sending``: delayed blocks are freed); transfers whose fan-in
 lease expired (``expired_sending``: delayed blocks are freed anyway;
@@ -17,6 +20,7 @@ are logged at debug level and dropped.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import attrs
 
@@ -26,7 +30,7 @@ from pipeline.logs import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
 from stages.schedule.state import SchedulerState, make_output
 
-__all__ = ["UpdatePolicy", "apply_output", "check_stop"]
+__all__ = ["UpdatePolicy", "append_tokens", "apply_output", "check_stop"]
 
 log = get_logger()
 
@@ -65,6 +69,43 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     return None
 
 
+def append_tokens(
+    request: Request, token_ids: Sequence[int], max_model_len: int
+) -> tuple[tuple[int, ...], RequestStatus | None]:
+    """Append ``token_ids`` to ``request`` one at a time, checking for a stop after
+    each (:func:`check_stop`); the tokens after the first that ends the request are
+    dropped.
+
+    Returns:
+        The tokens appended, and the terminal status reached (``None``: still running).
+    """
+    for count, token in enumerate(token_ids, 1):
+        request.append_output_token(int(token))
+        status = check_stop(request, max_model_len)
+        if status is not None:
+            return tuple(request.all_token_ids[-count:]), status
+    return tuple(request.all_token_ids[request.num_tokens - len(token_ids) :]), None
+
+
+def _take_back_rejected(request: Request, item: ScheduledRequest, token_ids: Sequence[int]) -> int:
+    """Take the drafts of ``item`` the step rejected back from ``request``'s computed
+    tokens (their KV is not the sequence's: the next step computes those positions
+    again). A draft is accepted when it equals the token sampled at its position; the
+    last token sampled is never a draft's (it follows them), so at least that one is
+    left to compute. Returns how many were rejected."""
+    drafts = item.draft_token_ids
+    if not drafts:
+        return 0
+    accepted = 0
+    for draft, token in zip(drafts, token_ids[:-1], strict=False):
+        if draft != token:
+            break
+        accepted += 1
+    rejected = len(drafts) - accepted
+    request.num_computed_tokens -= rejected
+    return rejected
+
+
 def apply_output(
     state: SchedulerState,
     scheduler_output: SchedulerOutput,
@@ -93,8 +134,8 @@ def apply_output(
             continue
         if req_id in discarded:
             continue
-        token = output.sampled_token_ids.get(req_id)
-        error = _record_logprobs(request, item, output, token)
+        tokens = output.sampled_token_ids.get(req_id)
+        error = _record_logprobs(request, item, output, tokens)
         if error is not None:
             log.error("missing logprobs", req_id=req_id, step=output.step_id, error=error)
             state.finish(request, RequestStatus.FINISHED_ERROR, f"step {output.step_id}: {error}")
@@ -102,24 +143,25 @@ def apply_output(
             continue
         if not item.sample:
             continue
-        if token is None:
+        if not tokens:
             error = f"step {scheduler_output.step_id}: no token was sampled for {req_id!r}"
             log.error("missing sampled token", req_id=req_id, step=scheduler_output.step_id)
             state.finish(request, RequestStatus.FINISHED_ERROR, error)
             outputs.append(make_output(request, ()))
             continue
-        token = int(token)
         if now is None:  # one clock read per step
             now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
-        request.append_output_token(token)
+        _take_back_rejected(request, item, tokens)
+        new_tokens, status = append_tokens(request, tokens, policy.max_model_len)
+        if request.logprobs is not None and len(request.logprobs) > request.num_output_tokens:
+            del request.logprobs[request.num_output_tokens :]  # those of dropped tokens
         state.hasher.update(request)
-        status = check_stop(request, policy.max_model_len)
         if status is not None:
             state.finish(request, status)
-        outputs.append(make_output(request, (token,)))
+        outputs.append(make_output(request, new_tokens))
     _finish_recving(state, output.finished_recving)
     _finish_sending(state, output)
     _expire_transfers(state, output, outputs)
@@ -144,11 +186,15 @@ def apply_output(
 
 
 def _record_logprobs(
-    request: Request, item: ScheduledRequest, output: FanInOutput, token: int | None
+    request: Request,
+    item: ScheduledRequest,
+    output: FanInOutput,
+    tokens: Sequence[int] | int | None,
 ) -> str | None:
     """Store the step's prompt logprobs of ``request`` (at the positions its chunk
-    scored; a recomputed chunk overwrites) and its sampled token's logprob. Returns
-    why they are missing or inconsistent, or ``None`` when all is well."""
+    scored; a recomputed chunk overwrites) and the logprob of each of its sampled
+    ``tokens`` (a bare ``int``: one token; the caller drops those of tokens it does not
+    keep). Returns why they are missing or inconsistent, or ``None`` when all is well."""
     targets = item.prompt_logprob_targets
     if targets and isinstance(request.prompt_logprobs, list):
         entries = output.prompt_logprobs.get(item.req_id, ())
@@ -161,11 +207,15 @@ def _record_logprobs(
         stored[start : start + len(entries)] = entries
         if len(stored) >= request.num_prompt_tokens:
             request.prompt_logprobs = tuple(stored[: request.num_prompt_tokens])
-    if item.sample and token is not None and request.logprobs is not None:
-        entry = output.logprobs.get(item.req_id)
-        if entry is None or entry.token_id != int(token):
+    if item.sample and tokens is not None and request.logprobs is not None:
+        if isinstance(tokens, int):
+            tokens = (tokens,)
+        entries = output.logprobs.get(item.req_id, ())
+        if len(entries) != len(tokens) or any(
+            e.token_id != t for e, t in zip(entries, tokens, strict=True)
+        ):
             return "the logprob of the sampled token is missing"
-        request.logprobs.append(entry)
+        request.logprobs.extend(entries)
     return None
 
 

@@ -60,7 +60,7 @@ class TestExecuteStage:
         assert isinstance(ranks, RankOutputs)
         assert ranks.step_id == 7 and executor.submitted == [7]
         assert [o.rank for o in ranks.outputs] == [0, 1, 2]
-        assert ranks.outputs[0].sampled_token_ids == {"a": 5}
+        assert ranks.outputs[0].sampled_token_ids == {"a": (5,)}
 
     async def test_carries_the_requests_the_executor_left_out(self) -> None:
         """The executor's per-request errors ride along in RankOutputs."""
@@ -108,7 +108,7 @@ class TestFanInIsAPureMerge:
             coro.send(None)
         merged = done.value.value
         assert isinstance(merged, FanInOutput)
-        assert merged.sampled_token_ids == {"a": 1} and merged.num_ranks == 2
+        assert merged.sampled_token_ids == {"a": (1,)} and merged.num_ranks == 2
         assert merged.request_errors == {"b": "why"}
         assert agg.pending_ranks("sending", "x") == {1}
 

@@ -105,7 +105,7 @@ class TestFanInAggregator:
         merged = FanInAggregator(W).merge(4, outputs, now=0)
         for order in itertools.permutations(outputs):
             assert FanInAggregator(W).merge(4, list(order), now=0) == merged
-        assert merged.sampled_token_ids == {"x": 7}
+        assert merged.sampled_token_ids == {"x": (7,)}
         assert merged.invalid_block_ids == {1, 2, 3}
         assert merged.failed_save_req_ids == {"s"}
         # Bytes add up; tokens count once (every rank moves the same positions).
@@ -117,7 +117,7 @@ class TestFanInAggregator:
         merged = FanInAggregator(2).merge(
             0, [out(1, sampled_token_ids={"x": 9}), out(0, sampled_token_ids={"x": 1})], now=0
         )
-        assert merged.sampled_token_ids == {"x": 1}
+        assert merged.sampled_token_ids == {"x": (1,)}
 
     def test_forget_clears_the_entry(self) -> None:
         """After an abort the ranks reported earlier no longer count."""
@@ -255,7 +255,7 @@ class TestFanInStage:
         merged = await execute_and_merge(
             FanInAggregator(2), 3, [answer(0, 3, sampled_token_ids={"x": 1}), answer(1, 3)]
         )
-        assert merged.step_id == 3 and merged.sampled_token_ids == {"x": 1}
+        assert merged.step_id == 3 and merged.sampled_token_ids == {"x": (1,)}
         assert merged.num_ranks == 2
 
     async def test_several_failing_ranks_are_all_named(self) -> None:

@@ -268,7 +268,7 @@ class TestFanIn:
                 ),
             ],
         )
-        assert merged.logprobs == {"r": lp}
+        assert merged.logprobs == {"r": (lp,)}
         assert merged.prompt_logprobs == {"r": (lp, lp)}
 
 
