@@ -12,7 +12,11 @@ must be finite and lists are capped. Both endpoints take:
 - vLLM's ``prompt_logprobs`` (0 to 20 alternatives per prompt token);
 - vLLM's ``kv_transfer_params`` (disaggregated prefill/decode): a small JSON object for
   the KV connector (see :mod:`pipeline.transfer_params` for the bounds), refused with
-  ``n`` > 1 or a batch of prompts; the response carries the connector's answer.
+  ``n`` > 1 or a batch of prompts; the response carries the connector's answer;
+- vLLM's ``vllm_xargs``: a JSON object of arguments for the engine's custom logits
+  stages, which becomes ``SamplingParams.extra_args`` (the bounds are
+  :func:`~pipeline.sampling_params.check_extra_args`'; a bad one is a 400 naming
+  ``vllm_xargs``).
 
 Completions also take ``echo`` and ``logprobs`` (OpenAI caps it at 5; kvstep allows
 0 to 20, as vLLM); chat takes ``logprobs`` (true or false) and ``top_logprobs`` (0 to 20,
@@ -31,6 +35,7 @@ Penalties and biases: ``presence_penalty`` and ``frequency_penalty`` (OpenAI, [-
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
@@ -38,6 +43,7 @@ import attrs
 from pipeline.config import SamplingParams
 from pipeline.errors import InvalidRequestError
 from pipeline.logs import get_logger
+from pipeline.sampling_params import check_extra_args
 from pipeline.server import fields as f
 from pipeline.server.errors import UnsupportedFieldError, short_value
 from pipeline.server.prompts import MAX_PROMPTS, Prompt, parse_prompts
@@ -74,7 +80,7 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 _KNOWN = frozenset(
     {"model", "stream", "stream_options", "n", "best_of", "user", "seed", "ignore_eos"}
     | {"stop", "include_stop_str_in_output", "prompt_logprobs", "stop_token_ids"}
-    | {"logit_bias", "logprobs", "kv_transfer_params", *_INTS, *_FLOATS}
+    | {"logit_bias", "logprobs", "kv_transfer_params", "vllm_xargs", *_INTS, *_FLOATS}
 )
 _ENDPOINT_KNOWN = {
     "completions": frozenset({"prompt", "echo"}),
@@ -187,6 +193,8 @@ def parse_shared_fields(
         fields["stop_token_ids"] = f.stop_ids(body["stop_token_ids"])
     if body.get("logit_bias") is not None:
         fields["logit_bias"] = f.logit_bias(body["logit_bias"])
+    if body.get("vllm_xargs") is not None:
+        fields["extra_args"] = _vllm_xargs(body["vllm_xargs"])
     echo = endpoint == "completions" and bool(f.optional(body, "echo", bool, "true or false"))
     logprobs = _logprobs(body, endpoint)
     prompt_logprobs = f.count("prompt_logprobs", body.get("prompt_logprobs"))
@@ -216,6 +224,19 @@ def parse_shared_fields(
         kv_transfer_params=transfer,
         ignored=ignored,
     )
+
+
+def _vllm_xargs(value: object) -> Mapping[str, Any]:
+    """vLLM's ``vllm_xargs`` as ``SamplingParams.extra_args``; an error names the field
+    (the ``param`` of the 400) and, in its message, the key path at fault."""
+    try:
+        return check_extra_args(value, "vllm_xargs")
+    except InvalidRequestError as exc:
+        if exc.what == "vllm_xargs":
+            raise
+        raise InvalidRequestError(
+            "vllm_xargs", exc.value, f"{exc.allowed} (at {exc.what})"
+        ) from None
 
 
 def _logprobs(body: dict[Any, Any], endpoint: str) -> int | None:
