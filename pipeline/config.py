@@ -12,6 +12,7 @@ taken for a number, nor a string for a ``bool``), numbers must be finite and in 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from pipeline.checks import (
 )
 from pipeline.errors import InvalidConfigError
 from pipeline.kv_events.config import KVEventsConfig, kv_events_config
+from pipeline.logits_processors import LogitsProcessorEntry, check_logits_processors
 from pipeline.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
@@ -171,6 +173,11 @@ def _step_log(inst: object, attribute: attrs.Attribute[Any], value: str | Path |
         raise InvalidConfigError("step_log", value, "must be a path (str or PathLike) or None")
 
 
+def _entries(value: Sequence[LogitsProcessorEntry]) -> tuple[LogitsProcessorEntry, ...]:
+    # A list becomes a tuple; anything else is refused after construction.
+    return tuple(value) if isinstance(value, list) else value  # type: ignore[return-value]
+
+
 def _options_repr(value: dict[str, Any]) -> str:
     return repr(redact(value))
 
@@ -256,6 +263,13 @@ class EngineConfig:
             ``kv_transfer_params`` it answers, and what its NIXL agents are named after.
             ``None`` (the default): a fresh random id (a uuid4) each time an engine
             starts, so two engines on one host never share one.
+        logits_processors: Logits stages to insert after the built-in ``logits`` stage,
+            in order (vLLM's ``logits_processors``): ``pipeline.LogitsStage``
+            subclasses, or their import paths ``"module:Class"`` / ``"module.Class"``,
+            each built with no arguments on every rank when its worker graph is built.
+            With ``executor`` ``multiproc`` or ``ray`` a class is stored as its
+            ``"module:qualname"`` path (the workers import it), so it must be defined at
+            the top level of an importable module.
     """
 
     model: str = attrs.field(default="builtin:tiny", validator=_model)
@@ -292,6 +306,15 @@ class EngineConfig:
     )
     cuda_graphs: bool = attrs.field(default=False, validator=_cuda_graphs)
     engine_id: str | None = attrs.field(default=None, validator=_engine_id)
+    logits_processors: tuple[LogitsProcessorEntry, ...] = attrs.field(
+        default=(), converter=_entries
+    )
+
+    def __attrs_post_init__(self) -> None:
+        entries = check_logits_processors(
+            self.logits_processors, by_path=self.executor != "inprocess"
+        )
+        object.__setattr__(self, "logits_processors", entries)
 
 
 def config_values(config: EngineConfig, spec: type[Any], **renamed: str) -> dict[str, Any]:

@@ -46,13 +46,18 @@ def _flag(field: str) -> str:
 
 
 def _flag_kind(hint: Any) -> type:
-    """What a field's flag parses to: ``bool``, ``int``, ``float``, ``dict`` or ``str``."""
+    """What a field's flag parses to: ``bool``, ``int``, ``float``, ``dict``, ``tuple``
+    (one or more strings) or ``str``."""
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     members = typing.get_args(hint) if union else (hint,)
     kinds = {typing.get_origin(m) or m for m in members} - {type(None)}
-    if len(kinds) == 1 and (kind := kinds.pop()) in (bool, int, float, dict):
+    if len(kinds) == 1 and (kind := kinds.pop()) in (bool, int, float, dict, tuple):
         return kind
     return str
+
+
+#: What the flags of the fields that take several values call each one.
+_METAVARS = {"logits_processors": "MODULE:CLASS"}
 
 
 def add_config_flags(
@@ -78,6 +83,15 @@ def add_config_flags(
             )
         elif kind is dict:
             parser.add_argument(flag, type=json_object, default=None, help=f"A JSON object. {text}")
+        elif kind is tuple:
+            parser.add_argument(
+                flag,
+                nargs="+",
+                action="extend",
+                default=None,
+                metavar=_METAVARS.get(field.name),
+                help=f"One or more values (the flag may repeat). {text}",
+            )
         elif kind is str:
             parser.add_argument(flag, default=None, help=text)
         else:

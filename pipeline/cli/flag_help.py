@@ -69,6 +69,8 @@ def _default_text(field: attrs.Attribute[Any]) -> str:
         return "on" if default else "off"
     if isinstance(default, dict):
         return "{}"
+    if isinstance(default, tuple) and not default:
+        return "none"
     return str(default)
 
 
