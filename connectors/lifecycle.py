@@ -31,7 +31,7 @@ from pipeline.errors import ConnectorLifecycleError
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.artifacts import LoadFailures
+    from pipeline.artifacts import KVStats, LoadFailures
 
 __all__ = ["ALLOWED_PREVIOUS", "GuardedWorker", "make_worker"]
 
@@ -270,7 +270,7 @@ class GuardedWorker(KVConnectorWorker):
             raise self._refusal(_LOAD_ERRORS, self._last)
         return self._inner.get_block_ids_with_load_errors()
 
-    def get_kv_stats(self) -> tuple[int, int, int, int]:
+    def get_kv_stats(self) -> KVStats:
         """Query, allowed from ``start_load_kv`` until the clear; does not change state."""
         if not _OK[_KV_STATS][self._last]:
             raise self._refusal(_KV_STATS, self._last)

@@ -65,7 +65,7 @@ __all__ = [
 OPTIONS_ROOT = "connector_options"
 """How errors name the options of the connector an engine was configured with."""
 
-T = TypeVar("T")
+T = TypeVar("T", bound=attrs.AttrsInstance)
 
 Check = Callable[[str, Any], Any]
 """``(name, value) -> value``: the value as the field holds it, or ``InvalidConfigError``."""
@@ -102,7 +102,7 @@ def option_name(option: str) -> str:
 
 
 def option(
-    check: Check,
+    check: Callable[..., Any],
     *,
     default: Any = attrs.NOTHING,
     factory: Callable[[], Any] | None = None,
@@ -126,7 +126,7 @@ def option(
 
     return attrs.field(
         default=attrs.Factory(factory) if factory is not None else default,
-        converter=attrs.Converter(convert, takes_self=True, takes_field=True),  # type: ignore[misc]
+        converter=attrs.Converter(convert, takes_self=True, takes_field=True),
         eq=eq,
         hash=None if eq else False,
         metadata={_OPTION: True},

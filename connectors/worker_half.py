@@ -19,6 +19,7 @@ from connectors.types import (
     KVConnectorRole,
     WorkerFinished,
 )
+from pipeline.artifacts import KVStats
 
 __all__ = [
     "KVConnectorWorker",
@@ -242,14 +243,16 @@ class KVConnectorWorker(abc.ABC):  # noqa: B024
         """
         return None
 
-    def get_kv_stats(self) -> tuple[int, int, int, int]:
-        """``(loaded_tokens, loaded_bytes, saved_tokens, saved_bytes)`` of this step.
+    def get_kv_stats(self) -> KVStats:
+        """This step's connector traffic on this rank, as a :class:`~pipeline.artifacts.KVStats`
+        (``loaded_tokens``, ``loaded_bytes``, ``saved_tokens``, ``saved_bytes``).
 
         Called by the ``finished`` stage once per step on every rank, after
         :meth:`get_finished`. Rank's event loop; synchronous, must not block; a query
-        that does not advance the lifecycle. Zeros by default.
+        that does not advance the lifecycle. Zeros by default. (A connector that still
+        returns the plain 4-tuple in that order keeps working: the stage names it.)
         """
-        return (0, 0, 0, 0)
+        return KVStats()
 
     async def aclose(self) -> None:  # noqa: B027
         """Release every resource (threads, streams, connections, pinned memory).

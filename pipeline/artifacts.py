@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import attrs
 
@@ -246,13 +246,25 @@ class SampledTokens:
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
 
 
-@attrs.frozen(kw_only=True)
-class KVStats:
-    """Connector traffic of one step on one rank; fan-in merges the ranks' with :meth:`merge`.
+class KVStats(NamedTuple):
+    """Connector traffic of one step on one rank: what a connector's ``get_kv_stats()``
+    returns and ``WorkerOutput.stats`` carries; fan-in merges the ranks' with :meth:`merge`.
+
+    A named tuple: read it by field (``stats.saved_bytes``); it still unpacks, indexes and
+    compares as the 4-tuple ``(loaded_tokens, loaded_bytes, saved_tokens, saved_bytes)``
+    that ``get_kv_stats()`` returned before it had names. ``+`` adds field by field (it is
+    not tuple concatenation). On the wire (msgspec) it is that 4-array.
 
     Tokens are positions of the sequence, bytes what moved: when several ranks load the
     same tokens (each its tensor-parallel shard, or each its own copy), the step loaded
     those tokens once and the bytes of every rank.
+
+    Attributes:
+        loaded_tokens: Tokens whose KV this rank loaded from the connector this step
+            (counted in the step whose loads completed).
+        loaded_bytes: Bytes of KV this rank loaded this step.
+        saved_tokens: Tokens whose KV this rank saved to the connector this step.
+        saved_bytes: Bytes of KV this rank saved this step.
     """
 
     loaded_tokens: int = 0
@@ -260,7 +272,7 @@ class KVStats:
     saved_tokens: int = 0
     saved_bytes: int = 0
 
-    def __add__(self, other: KVStats) -> KVStats:
+    def __add__(self, other: KVStats) -> KVStats:  # type: ignore[override]
         """Traffic of two steps (or two pieces of one rank's step): everything adds."""
         return KVStats(
             loaded_tokens=self.loaded_tokens + other.loaded_tokens,

@@ -96,7 +96,8 @@ class FinishedStage:
         finished = await self.connector.get_finished(scheduler_output.finished_req_ids)
         unsent = ctx.get(UnsentTransfers)
         unsent.keep(finished.sending, finished.recving)
-        loaded_tokens, loaded_bytes, saved_tokens, saved_bytes = self.connector.get_kv_stats()
+        # KVStats._make: a connector written before the stats had names returns a 4-tuple.
+        stats = KVStats._make(self.connector.get_kv_stats())
         invalid = frozenset(self.connector.get_block_ids_with_load_errors())
         failures = self.connector.get_load_failures() if invalid else None
         sending, recving = unsent.take()
@@ -111,11 +112,6 @@ class FinishedStage:
             request_errors=samples.errors,
             logprobs=samples.logprobs,
             prompt_logprobs=samples.prompt_logprobs,
-            stats=KVStats(
-                loaded_tokens=loaded_tokens,
-                loaded_bytes=loaded_bytes,
-                saved_tokens=saved_tokens,
-                saved_bytes=saved_bytes,
-            ),
+            stats=stats,
             load_failures=failures or LoadFailures(),
         )

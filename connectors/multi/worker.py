@@ -40,6 +40,7 @@ from connectors.multi.metadata import MultiMetadata
 from connectors.multi.options import MultiOptions
 from connectors.options import options_scope, options_where
 from connectors.registry import create_connector
+from pipeline.artifacts import KVStats
 from pipeline.errors import StageError
 from pipeline.logs import get_logger
 
@@ -218,18 +219,16 @@ class MultiWorker(KVConnectorWorker):
                 merged = failures if merged is None else merged.merge(failures)
         return merged
 
-    def get_kv_stats(self) -> tuple[int, int, int, int]:
-        """The active tiers' stats, summed."""
-        totals = [0, 0, 0, 0]
+    def get_kv_stats(self) -> KVStats:
+        """The active tiers' stats, summed (a tier whose query raises counts nothing)."""
+        total = KVStats()
         for i in self._active:
             tier = self.tiers[i]
             try:
-                stats = tier.get_kv_stats()
+                total += KVStats._make(tier.get_kv_stats())
             except Exception as exc:
                 self._failed("get_kv_stats", i, exc)
-                continue
-            totals = [a + b for a, b in zip(totals, stats, strict=True)]
-        return (totals[0], totals[1], totals[2], totals[3])
+        return total
 
     def clear_connector_metadata(self) -> None:
         """Clear every tier, each in its own ``try``. Never blocks, never raises."""

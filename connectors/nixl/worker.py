@@ -59,7 +59,7 @@ from connectors.nixl.posting import ReadPoster
 from connectors.nixl.scheduler import model_key
 from connectors.nixl.sends import HeldSends
 from connectors.nixl.tickets import ClaimBook
-from pipeline.artifacts import LoadFailureCause, LoadFailures
+from pipeline.artifacts import KVStats, LoadFailureCause, LoadFailures
 from pipeline.logs import get_logger
 
 __all__ = ["NixlWorker"]
@@ -107,7 +107,7 @@ class NixlWorker(KVConnectorWorker):
         self._idle_step = False
         self._closed = False
         self._loaded = (0, 0)  # reads done since the last get_finished: tokens, bytes
-        self._stats = (0, 0, 0, 0)  # what get_kv_stats reports for this step
+        self._stats = KVStats()  # what get_kv_stats reports for this step
         self._failed: dict[LoadFailureCause, set[int]] = {}  # blocks of failed reads, by cause
         self._failure_counts: dict[LoadFailureCause, int] = {}  # failed reads since start
 
@@ -321,7 +321,7 @@ class NixlWorker(KVConnectorWorker):
         self._idle_step = False
         sending, self._done_sending = frozenset(self._done_sending), set()
         recving, self._done_recving = frozenset(self._done_recving), set()
-        self._stats, self._loaded = (*self._loaded, 0, 0), (0, 0)
+        self._stats, self._loaded = KVStats(*self._loaded), (0, 0)
         return WorkerFinished(sending=sending, recving=recving)
 
     def _count_load(self, spec: RemoteRead) -> None:
@@ -341,8 +341,8 @@ class NixlWorker(KVConnectorWorker):
             nbytes + blocks * 2 * len(info.layer_addrs) * info.block_bytes,
         )
 
-    def get_kv_stats(self) -> tuple[int, int, int, int]:
-        """``(loaded_tokens, loaded_bytes, 0, 0)`` of the reads that completed by this
+    def get_kv_stats(self) -> KVStats:
+        """``loaded_tokens`` and ``loaded_bytes`` (no saves) of the reads that completed by this
         step's :meth:`get_finished`: this rank's bytes, tokens on rank 0 only (a read
         that failed on another rank is still counted there). A failed read counts
         nothing. Sends count no saves: a consumer's notification names the request,

@@ -35,6 +35,7 @@ from connectors.offload.pool import HostKVPool, make_runs
 from connectors.offload.state import OffloadWorkerStats, StepState
 from connectors.offload.transfer import LoadJob, StreamLoader, ThreadLoader
 from connectors.store.metadata import require_fingerprint
+from pipeline.artifacts import KVStats
 from pipeline.errors import InvalidConfigError, StageError
 from pipeline.logs import get_logger
 
@@ -269,13 +270,18 @@ class OffloadWorker(KVConnectorWorker):
         """Blocks whose load failed this step (key mismatch, checksum, copy, timeout)."""
         return frozenset(self._step.load_errors)
 
-    def get_kv_stats(self) -> tuple[int, int, int, int]:
-        """(loaded_tokens, loaded_bytes, saved_tokens, saved_bytes) of this step."""
+    def get_kv_stats(self) -> KVStats:
+        """This step's loaded and saved blocks, in tokens and bytes."""
         step = self._step
         block_bytes = self.pool.block_bytes if self.pool is not None else 0
         loaded, saved = step.loaded_blocks, step.saved_blocks
         bs = self.block_size
-        return (loaded * bs, loaded * block_bytes, saved * bs, saved * block_bytes)
+        return KVStats(
+            loaded_tokens=loaded * bs,
+            loaded_bytes=loaded * block_bytes,
+            saved_tokens=saved * bs,
+            saved_bytes=saved * block_bytes,
+        )
 
     def clear_connector_metadata(self) -> None:
         """Drop the metadata; cancel this step's loads if a failure left them running

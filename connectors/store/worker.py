@@ -21,7 +21,7 @@ import torch
 
 from connectors.base import ConnectorContext, KVConnectorWorker
 from connectors.store.metadata import BlockRef, require_fingerprint
-from pipeline.artifacts import LoadFailures
+from pipeline.artifacts import KVStats, LoadFailures
 
 __all__ = ["StoreStep", "StoreWorker", "StoreWorkerStats"]
 
@@ -120,8 +120,13 @@ class StoreWorker(KVConnectorWorker):
         """The causes of this step's load errors (``StoreStep.load_failures``)."""
         return self._step.load_failures
 
-    def get_kv_stats(self) -> tuple[int, int, int, int]:
-        """(loaded_tokens, loaded_bytes, saved_tokens, saved_bytes) of this step."""
+    def get_kv_stats(self) -> KVStats:
+        """This step's loaded and saved blocks, in tokens and bytes."""
         step, bs, nbytes = self._step, self.block_size, self.block_bytes
         loaded, saved = step.loaded_blocks, step.saved_blocks
-        return (loaded * bs, loaded * nbytes, saved * bs, saved * nbytes)
+        return KVStats(
+            loaded_tokens=loaded * bs,
+            loaded_bytes=loaded * nbytes,
+            saved_tokens=saved * bs,
+            saved_bytes=saved * nbytes,
+        )

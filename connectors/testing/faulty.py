@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     import torch
 
     from connectors.base import KVConnectorOutput
-    from pipeline.artifacts import LoadFailures, SchedulerOutput
+    from pipeline.artifacts import KVStats, LoadFailures, SchedulerOutput
     from pipeline.kv_events.sink import KVEventSink
     from pipeline.request import Request
 
@@ -273,7 +273,7 @@ class FaultyConnector:
             """Forward (the blocks a ``corrupt`` fault adds have no cause: ``unknown``)."""
             return self.inner.get_load_failures()
 
-        def get_kv_stats(self) -> tuple[int, int, int, int]:
+        def get_kv_stats(self) -> KVStats:
             """Forward."""
             self._faults.sync("get_kv_stats")
             return self.inner.get_kv_stats()

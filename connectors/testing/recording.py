@@ -32,6 +32,7 @@ from connectors.base import (
     WorkerFinished,
 )
 from connectors.registry import register_connector
+from pipeline.artifacts import KVStats
 
 if TYPE_CHECKING:
     import torch
@@ -258,10 +259,10 @@ class RecordingConnector:
             self._record("get_block_ids_with_load_errors")
             return frozenset()
 
-        def get_kv_stats(self) -> tuple[int, int, int, int]:
+        def get_kv_stats(self) -> KVStats:
             """Record; no traffic."""
             self._record("get_kv_stats")
-            return (0, 0, 0, 0)
+            return KVStats()
 
         async def aclose(self) -> None:
             """Record."""
