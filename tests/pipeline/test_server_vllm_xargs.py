@@ -111,7 +111,8 @@ async def test_bad_vllm_xargs_is_a_400_naming_it(
 
 @pytest.mark.anyio
 async def test_null_vllm_xargs_is_no_arguments(tiny: EngineConfig) -> None:
-    """vllm_xargs: null is the same as leaving it out (as vLLM)."""
+    """vllm_xargs: null is the same as leaving it out (as vLLM), a known field."""
     async with client_for(create_app(tiny)) as client:
         resp = await client.post(CMPL, json=_body(CMPL, vllm_xargs=None))
     assert resp.status_code == 200, resp.text
+    assert "x-kvstep-ignored-fields" not in resp.headers
