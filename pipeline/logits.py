@@ -189,7 +189,7 @@ def _checked(stage: str, value: Any, like: torch.Tensor) -> torch.Tensor:
             f"logits stage {stage!r} returned {short_repr(value, 80)}; it must return a "
             f"tensor of shape {tuple(like.shape)}"
         )
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 class LogitsStage(ComputeStage):

@@ -3,13 +3,23 @@ or a worker's.
 
 The in-process executor and the worker processes build their ranks with the same code:
 the rank's connector half (wrapped in the lifecycle guard, its KV caches registered),
-the default worker graph, and the user's change to it.
+the default worker graph, the configured logits processors
+(``EngineConfig.logits_processors``, inserted after ``logits`` in order), and the user's
+change to it. A graph function takes the graph, or the graph and a :class:`GraphBuild`
+(what the rank is built with), so that a user stage can be built with the runner, the
+connector or the config::
+
+    def my_graph(graph: StepGraph, build: GraphBuild) -> StepGraph:
+        return graph.insert_after("logits", MyStage(vocab=build.runner.model_config.vocab_size))
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.lifecycle import make_worker
@@ -27,19 +37,63 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GraphArg",
+    "GraphBuild",
     "apply_graph",
     "build_worker",
     "connector_context",
     "graph_import_path",
 ]
 
-GraphArg = StepGraph | Callable[[StepGraph], StepGraph] | str | None
-"""A custom graph: a graph, a function from the default graph to a new one, or the
-import path (``"module:function"``) of such a function."""
+@attrs.frozen
+class GraphBuild:
+    """What one rank's worker graph is built with; the second argument of a graph
+    function that takes two.
+
+    Attributes:
+        rank: The rank (0 is the driver, which samples).
+        world_size: Ranks in the tensor-parallel group.
+        runner: The rank's :class:`~stages.forward.runner.ModelRunner` (its
+            ``model_config``, ``device``, ``compute`` thread, ...).
+        connector: The rank's KV connector half (lifecycle-guarded), or ``None``.
+        config: The engine's configuration.
+    """
+
+    rank: int
+    world_size: int
+    runner: ModelRunner = attrs.field(repr=False)
+    connector: Any = attrs.field(repr=False)
+    config: EngineConfig = attrs.field(repr=False)
 
 
-def apply_graph(custom: GraphArg, default: StepGraph) -> StepGraph:
-    """The graph ``custom`` makes of ``default``.
+GraphArg = (
+    StepGraph
+    | Callable[[StepGraph], StepGraph]
+    | Callable[[StepGraph, GraphBuild], StepGraph]
+    | str
+    | None
+)
+"""A custom graph: a graph, a function from the default graph (and, if it takes two
+arguments, a :class:`GraphBuild`) to a new one, or the import path
+(``"module:function"``) of such a function."""
+
+
+def _takes_build(fn: Callable[..., Any]) -> bool:
+    """Whether graph function ``fn`` takes a second positional argument (the build)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(positional) >= 2 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+
+
+def apply_graph(custom: GraphArg, default: StepGraph, build: GraphBuild | None = None) -> StepGraph:
+    """The graph ``custom`` makes of ``default`` (a function taking two arguments also
+    gets ``build``).
 
     Raises:
         InvalidConfigError: An import path that does not import, or a function that does
@@ -53,7 +107,10 @@ def apply_graph(custom: GraphArg, default: StepGraph) -> StepGraph:
         custom = resolve_import_path(custom, what="graph")
         if not callable(custom):
             raise InvalidConfigError("graph", custom, "an import path must name a function")
-    graph = custom(default)
+    if build is not None and _takes_build(custom):
+        graph = custom(default, build)  # type: ignore[call-arg]
+    else:
+        graph = custom(default)  # type: ignore[call-arg]
     if not isinstance(graph, StepGraph):
         raise InvalidConfigError(
             "graph", graph, "a graph function must return a StepGraph (e.g. g.insert_after(...))"
@@ -102,6 +159,23 @@ def connector_context(
     )
 
 
+def with_logits_processors(graph: StepGraph, config: EngineConfig) -> StepGraph:
+    """``graph`` with ``config.logits_processors`` inserted after ``logits``, in order.
+
+    Raises:
+        InvalidConfigError: An entry that does not resolve to a logits stage.
+    """
+    if not config.logits_processors:
+        return graph
+    from pipeline.logits_processors import resolve_logits_processors
+
+    after = "logits"
+    for stage in resolve_logits_processors(config):
+        graph = graph.insert_after(after, stage)
+        after = stage.name
+    return graph
+
+
 def build_worker(
     config: EngineConfig,
     runner: ModelRunner,
@@ -127,13 +201,12 @@ def build_worker(
         )
         connector = make_worker(raw)
         connector.register_kv_caches(runner.kv_caches)
-    graph = apply_graph(
-        worker_graph,
-        default_worker_graph(
-            runner,
-            rank=rank,
-            connector=connector,
-            finalizer_timeout_s=config.finalizer_timeout_s,
-        ),
+    graph = default_worker_graph(
+        runner, rank=rank, connector=connector, finalizer_timeout_s=config.finalizer_timeout_s
     )
+    graph = with_logits_processors(graph, config)
+    build = GraphBuild(
+        rank=rank, world_size=config.world_size, runner=runner, connector=connector, config=config
+    )
+    graph = apply_graph(worker_graph, graph, build)
     return Worker(rank, graph, connector=connector, runner=runner, step_log=step_log)

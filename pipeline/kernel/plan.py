@@ -162,10 +162,11 @@ def fuse(body: tuple[Item, ...], lanes: Mapping[int, str], hops: Sequence[int]) 
     with_hop = set(hops)
 
     def head(branch: Item, name: str) -> tuple[list[int], list[Item]]:
-        parts = list(branch) if isinstance(branch, tuple) else [branch]
+        parts: list[Item] = list(branch) if isinstance(branch, tuple) else [branch]
         taken: list[int] = []
-        while parts and isinstance(parts[0], int) and lanes.get(parts[0]) == name:
-            taken.append(parts.pop(0))
+        while parts and isinstance(first := parts[0], int) and lanes.get(first) == name:
+            taken.append(first)
+            parts.pop(0)
         return taken, parts
 
     def series(items: Sequence[Item]) -> tuple[Item, ...]:
@@ -173,14 +174,15 @@ def fuse(body: tuple[Item, ...], lanes: Mapping[int, str], hops: Sequence[int]) 
         while todo:
             it = todo.pop(0)
             name = lanes.get(it) if isinstance(it, int) else None
-            if name is None:
+            if name is None or not isinstance(it, int):
                 out.append(item(it))
                 continue
-            chain = [it]
+            chain: list[int] = [it]
             while todo:
                 nxt = todo[0]
                 if isinstance(nxt, int) and lanes.get(nxt) == name:
-                    chain.append(todo.pop(0))
+                    chain.append(nxt)
+                    todo.pop(0)
                     continue
                 if not isinstance(nxt, Parallel):
                     break
