@@ -73,5 +73,5 @@ class TestWire:
         message = wire.decode(wire.encode(wire.StepDone(output=output, records=[])))
         assert isinstance(message, wire.StepDone)
         assert message.output == output
-        assert isinstance(message.output.logprobs["a"], TokenLogprob)
-        assert message.output.logprobs["a"].top == ((4, -0.25), (9, -1.5))
+        assert isinstance(message.output.logprobs["a"][0], TokenLogprob)
+        assert message.output.logprobs["a"][0].top == ((4, -0.25), (9, -1.5))

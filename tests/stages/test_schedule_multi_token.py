@@ -184,7 +184,7 @@ class TestDrafts:
         token is still being sampled: a draft follows the last known token."""
         scheduler = make_scheduler()
         request = prefill(scheduler, "a", [1, 2, 3], max_tokens=10)
-        first = scheduler.schedule()
+        scheduler.schedule()  # its token is in flight
         request.draft_token_ids = [201, 202]
         (item,) = scheduler.schedule(ahead=True).requests
         assert item.draft_token_ids == () and item.num_scheduled_tokens == 1

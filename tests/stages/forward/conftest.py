@@ -151,7 +151,7 @@ class StepDriver:
         sampled = self.runner.sample(output, model_output)
         for row, req_id in enumerate(model_output.req_ids):
             self.logits[req_id].append(model_output.logits[row].clone())
-            self.tokens[req_id].append(sampled.token_ids[req_id])
+            self.tokens[req_id].extend(sampled.token_ids[req_id])
         return output
 
     def run(self, num_outputs: int) -> None:

@@ -101,8 +101,8 @@ class TestBuiltinTiny:
                 )
             sched = SchedulerOutput(step_id=step, requests=tuple(requests))
             sampled = runner.sample(sched, runner.execute(sched)).token_ids
-            for req_id, tok in sampled.items():
-                tokens[req_id].append(tok)
-                outputs[req_id].append(tok)
+            for req_id, toks in sampled.items():
+                tokens[req_id].extend(toks)
+                outputs[req_id].extend(toks)
         assert len(set(outputs["a"])) >= 6 and len(set(outputs["b"])) >= 6
         assert outputs["a"] != outputs["b"]
