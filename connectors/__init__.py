@@ -4,10 +4,6 @@ The connectors themselves live in their own modules and register on first lookup
 recording connector for tests is imported explicitly from :mod:`connectors.testing`.
 """
 
-# The runtime's package initialises first, whichever package is imported first: its
-# foundation (errors, config, artifacts, the graph kernel) is what this package builds
-# on, and its engine is built from this package.
-import pipeline  # noqa: F401
 from connectors.base import (
     ConnectorContext,
     ForwardContext,

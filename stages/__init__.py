@@ -6,10 +6,6 @@ worker:  bind → load → forward → logits → sample → save → finished �
 
 from __future__ import annotations
 
-# The runtime's package initialises first, whichever package is imported first: its
-# foundation (errors, config, artifacts, the graph kernel) is what this package builds
-# on, and its engine is built from this package.
-import pipeline  # noqa: F401
 from stages.bind import BindStage
 from stages.drop_finished import DropFinishedStage, DropsRequests
 from stages.execute import ExecuteStage, Executor, SubmittedStep
