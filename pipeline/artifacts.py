@@ -121,10 +121,10 @@ class ScheduledRequest:
             token); ``False`` for a non-final prefill chunk.
         num_output_tokens: Tokens generated so far: the index of the token that a sample
             produces, which seeds per-request sampling deterministically.
-        prefix_token_ids: When ``new`` and the sampling reads the request's earlier
-            tokens (a penalty, ``SamplingParams.needs_history``): the tokens before
-            ``num_computed_tokens`` (whose KV came from a cache), so that the worker
-            knows the whole sequence. Empty otherwise.
+        prefix_token_ids: When ``new``: the tokens before ``num_computed_tokens`` (whose
+            KV came from a cache, or was computed before a preemption), so that the
+            worker knows the whole sequence (penalties and logits stages read it).
+            Empty otherwise.
         prompt_logprob_targets: When the request still needs prompt logprobs
             (``SamplingParams.prompt_logprobs``): the target of each prompt position of
             this chunk that has one, from the first: position ``p`` scores prompt token
