@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from pipeline.executors import InProcessExecutor as InProcessExecutor
     from pipeline.executors import MultiprocExecutor as MultiprocExecutor
     from pipeline.executors import RayExecutor as RayExecutor
+    from pipeline.executors.worker_factory import GraphBuild as GraphBuild
     from pipeline.kernel import Finalizer as Finalizer
     from pipeline.kernel import FunctionStage as FunctionStage
     from pipeline.kernel import Stage as Stage
@@ -70,6 +71,9 @@ if TYPE_CHECKING:
     from pipeline.kernel import as_stage as as_stage
     from pipeline.kernel import is_finalizer as is_finalizer
     from pipeline.kernel import stage as stage
+    from pipeline.logits import Logits as Logits
+    from pipeline.logits import LogitsBatch as LogitsBatch
+    from pipeline.logits import LogitsStage as LogitsStage
     from pipeline.logprobs import MAX_LOGPROBS as MAX_LOGPROBS
     from pipeline.logprobs import TokenLogprob as TokenLogprob
     from pipeline.request import Request as Request
@@ -95,6 +99,10 @@ _EXPORTS: dict[str, str] = {
     "ScheduledRequest": "pipeline.artifacts",
     "SchedulerOutput": "pipeline.artifacts",
     "WorkerOutput": "pipeline.artifacts",
+    "GraphBuild": "pipeline.executors.worker_factory",
+    "Logits": "pipeline.logits",
+    "LogitsBatch": "pipeline.logits",
+    "LogitsStage": "pipeline.logits",
     "EngineConfig": "pipeline.config",
     "SamplingParams": "pipeline.config",
     "LLM": "pipeline.engine",

@@ -173,21 +173,29 @@ class Logits:
             try:
                 part = apply(tensor[i : i + 1].clone(), self.batch.rows([i]))
                 rows.append(_checked(stage, part, tensor[i : i + 1]))
+                continue
+            except _ShapeError as exc:
+                failed[req_id] = str(exc)
             except Exception as exc:
                 failed[req_id] = f"logits stage {stage!r} failed: {short_repr(exc, 200)}"
-                rows.append(tensor[i : i + 1])
+            rows.append(tensor[i : i + 1])
         import torch
 
         return attrs.evolve(self, tensor=torch.cat(rows), failed=failed)
+
+
+class _ShapeError(TypeError):
+    """A logits stage returned something that is not logits of the batch's shape."""
 
 
 def _checked(stage: str, value: Any, like: torch.Tensor) -> torch.Tensor:
     """``value`` if it is a tensor shaped like ``like``; a ``TypeError`` naming ``stage``."""
     shape = getattr(value, "shape", None)
     if shape is None or tuple(shape) != tuple(like.shape) or not hasattr(value, "dtype"):
-        raise TypeError(
-            f"logits stage {stage!r} returned {short_repr(value, 80)}; it must return a "
-            f"tensor of shape {tuple(like.shape)}"
+        got = f"shape {tuple(shape)}" if shape is not None else short_repr(value, 60)
+        raise _ShapeError(
+            f"logits stage {stage!r} returned {got}; it must return a tensor of shape "
+            f"{tuple(like.shape)}"
         )
     return value
 

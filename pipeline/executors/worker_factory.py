@@ -44,6 +44,7 @@ __all__ = [
     "graph_import_path",
 ]
 
+
 @attrs.frozen
 class GraphBuild:
     """What one rank's worker graph is built with; the second argument of a graph

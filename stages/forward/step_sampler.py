@@ -102,6 +102,8 @@ class StepSampler:
             return SampledTokens(token_ids={})
         by_id = {r.req_id: r for r in scheduler_output.requests}
         rows = [i for i, req_id in enumerate(batch.req_ids) if req_id not in failed]
+        if not rows:
+            return SampledTokens(token_ids={}, errors=dict(failed))
         tensor = logits.tensor
         if len(rows) < len(batch):
             tensor = tensor.index_select(0, torch.tensor(rows, device=tensor.device))
