@@ -39,8 +39,9 @@ class StepContext:
         error: Set by the runner before the finalizers run: the body's exception (or
             the cancellation), ``None`` when the body succeeded.
         cancelled: Set by the runner before the finalizers run: the body was cancelled.
-        scratch: Free space for the stages of this step (e.g. a stage leaving a note for
-            a finalizer). Keys should be prefixed with the stage name.
+        scratch: A stage's own per-step state (e.g. a finalizer's "already ran" flag),
+            under keys prefixed with its name. Never a channel between stages: what one
+            stage hands another is a typed artifact, so the printed graph shows it.
         report: The :class:`~pipeline.kernel.report.StepReport` of the step, filled by the
             runner when the step ends, also when the run raises. While the finalizers of
             a step whose body failed run, it holds the body's report (no finalizer
