@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
     from pipeline.sampling_params import SamplingParams
 
-__all__ = ["Logits", "LogitsBatch", "LogitsStage", "TokenView"]
+__all__ = ["Logits", "LogitsBatch", "LogitsStage", "TokenColumn", "TokenView"]
 
 
 class TokenView(Sequence[int]):
@@ -100,6 +100,42 @@ class TokenView(Sequence[int]):
         return f"TokenView({list(self)!r})" if len(self) <= 16 else f"TokenView(<{len(self)}>)"
 
 
+class TokenColumn(Sequence[Sequence[int]]):
+    """One :class:`TokenView` per row, made when a row is read: a step whose stages read
+    no tokens makes none.
+
+    Args:
+        histories: Each row's tokens so far (prompt then output).
+        outputs: Each row's number of output tokens (the last ones of its history).
+        part: ``"output"`` or ``"prompt"``: which end of each history a row shows.
+    """
+
+    __slots__ = ("_histories", "_outputs", "_prompt")
+
+    def __init__(
+        self, histories: Sequence[Sequence[int]], outputs: Sequence[int], part: str
+    ) -> None:
+        self._histories = histories
+        self._outputs = outputs
+        self._prompt = part == "prompt"
+
+    def __len__(self) -> int:
+        return len(self._histories)
+
+    @overload
+    def __getitem__(self, index: int) -> Sequence[int]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Sequence[int]]: ...
+
+    def __getitem__(self, index: int | slice) -> Sequence[int] | Sequence[Sequence[int]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        tokens = self._histories[index]
+        cut = max(0, len(tokens) - self._outputs[index])
+        return TokenView(tokens, 0, cut) if self._prompt else TokenView(tokens, cut)
+
+
 @attrs.frozen
 class LogitsBatch:
     """Who the rows of a step's logits belong to. Row ``i`` is request ``req_ids[i]``.
@@ -115,8 +151,8 @@ class LogitsBatch:
 
     req_ids: tuple[str, ...] = ()
     params: tuple[SamplingParams, ...] = ()
-    output_token_ids: tuple[Sequence[int], ...] = ()
-    prompt_token_ids: tuple[Sequence[int], ...] = ()
+    output_token_ids: Sequence[Sequence[int]] = ()
+    prompt_token_ids: Sequence[Sequence[int]] = ()
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -162,7 +198,9 @@ class Logits:
         if tensor is None or not len(self.batch):
             return self
         try:
-            return attrs.evolve(self, tensor=_checked(stage, apply(tensor, self.batch), tensor))
+            return Logits(
+                _checked(stage, apply(tensor, self.batch), tensor), self.batch, self.failed
+            )
         except Exception:
             pass  # find the rows that fail on their own
         rows, failed = [], dict(self.failed)
@@ -181,7 +219,7 @@ class Logits:
             rows.append(tensor[i : i + 1])
         import torch
 
-        return attrs.evolve(self, tensor=torch.cat(rows), failed=failed)
+        return Logits(torch.cat(rows), self.batch, failed)
 
 
 class _ShapeError(TypeError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput
-from pipeline.logits import LogitsBatch, TokenView
+from pipeline.logits import LogitsBatch, TokenColumn
 
 __all__ = ["TokenHistories"]
 
@@ -46,21 +46,16 @@ class TokenHistories:
     def batch(self, scheduled: Sequence[ScheduledRequest]) -> LogitsBatch:
         """The :class:`~pipeline.logits.LogitsBatch` of rows ``scheduled`` (each samples
         after this step's chunk): their params, and views of their output and prompt
-        tokens (no copies)."""
-        outputs: list[TokenView] = []
-        prompts: list[TokenView] = []
+        tokens (made when read, no copies)."""
         empty: list[int] = []
         get = self._tokens.get
-        for r in scheduled:
-            tokens = get(r.req_id, empty)
-            cut = max(0, len(tokens) - r.num_output_tokens) if tokens else 0
-            outputs.append(TokenView(tokens, cut))
-            prompts.append(TokenView(tokens, 0, cut))
+        histories = [get(r.req_id, empty) for r in scheduled]
+        outputs = [r.num_output_tokens for r in scheduled]
         return LogitsBatch(
             req_ids=tuple(r.req_id for r in scheduled),
             params=tuple(r.sampling for r in scheduled),
-            output_token_ids=tuple(outputs),
-            prompt_token_ids=tuple(prompts),
+            output_token_ids=TokenColumn(histories, outputs, "output"),
+            prompt_token_ids=TokenColumn(histories, outputs, "prompt"),
         )
 
     def drop(self, req_ids: Iterable[str]) -> None:

@@ -58,7 +58,9 @@ class StepSampler:
         by_id = {r.req_id: r for r in scheduler_output.requests}
         scheduled = [by_id[req_id] for req_id in model_output.req_ids]
         batch = self._histories.batch(scheduled)
-        raw = Logits(tensor=model_output.logits, batch=batch)
+        raw = Logits(model_output.logits, batch)
+        if not any(r.sampling.adjusts_logits for r in scheduled):
+            return raw  # nothing to adjust: no copy, no call
         counts = [r.num_output_tokens for r in scheduled]
         histories = self._histories.rows(scheduled)
         index = {req_id: i for i, req_id in enumerate(model_output.req_ids)}
