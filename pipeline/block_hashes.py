@@ -20,20 +20,18 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import cbor2
 
 from pipeline.checks import check_int
 from pipeline.errors import InvalidRequestError
 
-if TYPE_CHECKING:
-    from pipeline.request import Request
-
 __all__ = [
     "NONE_HASH",
     "BlockHasher",
     "ExtraKeys",
+    "HashedTokens",
     "hash_block_tokens",
     "hash_fn",
     "hash_request_tokens",
@@ -107,6 +105,16 @@ def hash_request_tokens(
     return hashes
 
 
+class HashedTokens(Protocol):
+    """What :class:`BlockHasher` reads and extends: a
+    :class:`~pipeline.request.Request`'s tokens and the hashes of its full blocks (a
+    protocol, so that this module, which a router imports, does not import the engine's
+    request and configuration)."""
+
+    all_token_ids: list[int]
+    block_hashes: list[bytes]
+
+
 class BlockHasher:
     """Keeps ``request.block_hashes`` in step with the request's full blocks.
 
@@ -126,7 +134,7 @@ class BlockHasher:
         self.hash_seed = hash_seed
         self.root = none_hash(hash_seed)
 
-    def update(self, request: Request) -> list[bytes]:
+    def update(self, request: HashedTokens) -> list[bytes]:
         """Append the hash of every newly full block to ``request.block_hashes``.
 
         Returns:
