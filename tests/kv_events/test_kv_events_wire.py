@@ -209,6 +209,6 @@ class TestExports:
         names = package.__all__
         assert len(names) == len(set(names))
         assert all(hasattr(package, n) for n in names)
-        for module in ("config", "events", "hashing", "index", "publisher", "sink", "subscriber"):
+        for module in ("config", "events", "index", "publisher", "sink", "subscriber"):
             public = importlib.import_module(f"pipeline.kv_events.{module}").__all__
             assert set(public) <= set(names), module
