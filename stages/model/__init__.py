@@ -1,8 +1,10 @@
-"""The forward pass: a Llama-family model over a paged KV cache, sampling, device sync.
+"""The model the worker stages drive: a Llama-family decoder over a paged KV cache, its
+checkpoint loader, attention, sampling and compute thread.
 
-``ModelRunner`` is the entry point the forward and sample stages use, built from a
-``RunnerSettings`` (derived once from ``EngineConfig``); the other names
-are its parts, exported for tests, benchmarks and custom stages. ``TensorParallel`` and
+``ModelRunner`` is the entry point the ``forward``, ``logits`` and ``sample`` stages use
+(:mod:`stages.forward`, :mod:`stages.logits`, :mod:`stages.sample`), built from a
+``RunnerSettings`` (derived once from ``EngineConfig``); the other names are its parts,
+exported for tests, benchmarks and custom stages. ``TensorParallel`` and
 ``init_process_group`` shard the model across worker processes (Megatron-style).
 """
 

@@ -1,4 +1,5 @@
-"""The scheduler stage's core: continuous batching over a prefix-cached block pool."""
+"""The scheduler the ``schedule`` and ``update`` stages drive (:mod:`stages.schedule`,
+:mod:`stages.update`): continuous batching over a prefix-cached block pool."""
 
 from pipeline.block_hashes import (
     NONE_HASH,
