@@ -77,7 +77,7 @@ class Prompts:
 
     def __init__(self, seed: int) -> None:
         from pipeline.tokenizer import load_tokenizer
-        from stages.forward.builtin import tokenizer_dir
+        from stages.model.builtin import tokenizer_dir
 
         tokenizer = load_tokenizer(tokenizer_dir(MODEL))
         assert tokenizer is not None, "builtin:tiny carries a tokenizer"

@@ -25,15 +25,17 @@ from pipeline.config import SamplingParams
 from pipeline.engine.kv_events import KVEventStream
 from pipeline.kv_events import KVEventsConfig, KVEventSink, ZmqEventPublisher
 from pipeline.request import Request
-from stages.schedule import Scheduler, SchedulerSpec
+from stages.scheduler import Scheduler, SchedulerSettings
 
 VARIANTS = ("off", "collected", "published")
 _PREFIXES = [[p * 100 + i for i in range(32)] for p in range(6)]
 
 
 def _scheduler() -> Scheduler:
-    spec = SchedulerSpec(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
-    return Scheduler(spec, num_blocks=48)
+    settings = SchedulerSettings(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128
+    )
+    return Scheduler(settings, num_blocks=48)
 
 
 def _run(steps: int, stream: Any, sink: KVEventSink | None) -> tuple[float, int]:

@@ -63,7 +63,7 @@ _ALL_REDUCE = """
 import json, statistics, sys, time
 import torch
 import torch.distributed as dist
-from stages.forward.shm_allreduce import SharedMemoryAllReduce
+from stages.model.shm_allreduce import SharedMemoryAllReduce
 rank, workdir, rows, hidden, n = int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:6])
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"file://{workdir}/rdv", rank=rank, world_size=2)

@@ -80,7 +80,7 @@ def offload_bandwidth(llm: LLM, prompt: list[int], repeats: int = 5) -> dict[str
     through the connector's own loader (a job on its thread, all layers), and a plain
     ``copy_`` of the same bytes between contiguous tensors, layer by layer."""
     from connectors.offload import LoadJob, OffloadScheduler, OffloadWorker, make_runs
-    from stages.schedule.hashing import hash_request_tokens
+    from pipeline.block_hashes import hash_request_tokens
 
     scheduler = llm.engine.core.connector
     worker = llm.engine.core.workers[0].connector.inner  # type: ignore[union-attr]
@@ -133,7 +133,7 @@ def shared_storage_bandwidth(llm: LLM, prompt: list[int], repeats: int = 3) -> d
     same bytes between contiguous tensors, layer by layer."""
     from connectors.shared_storage import BlockRef, SharedStorageWorker
     from connectors.shared_storage.loader import StoreLoad
-    from stages.schedule.hashing import hash_request_tokens
+    from pipeline.block_hashes import hash_request_tokens
 
     worker = llm.engine.core.workers[0].connector.inner  # type: ignore[union-attr]
     assert isinstance(worker, SharedStorageWorker)

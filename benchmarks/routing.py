@@ -108,7 +108,7 @@ def tenant_blocks(specs: Sequence[RequestSpec]) -> tuple[dict[int, int], list[fl
     whole prompt as the kv-aware proxy does (seconds, in this process)."""
     from pipeline.kv_events import prompt_block_hashes
     from pipeline.tokenizer import load_tokenizer
-    from stages.forward.builtin import tokenizer_dir
+    from stages.model.builtin import tokenizer_dir
 
     tokenizer = load_tokenizer(tokenizer_dir(MODEL))
     assert tokenizer is not None, "builtin:tiny carries a tokenizer"
@@ -267,7 +267,7 @@ def poisson_scenario(args: argparse.Namespace) -> Scenario:
 def pressure_scenario(args: argparse.Namespace) -> Scenario:
     """Issue 24's memory-pressure workload (see the module)."""
     from pipeline.tokenizer import load_tokenizer
-    from stages.forward.builtin import tokenizer_dir
+    from stages.model.builtin import tokenizer_dir
 
     tokenizer = load_tokenizer(tokenizer_dir(MODEL))
     rng = random.Random(args.seed + 7)

@@ -26,7 +26,7 @@ from connectors.base import (
     KVConnectorWorker,
 )
 from pipeline.errors import DuplicateConnectorError, InvalidConfigError, UnknownConnectorError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = [
     "ConnectorSpec",

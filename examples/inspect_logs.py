@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from pipeline import LLM, EngineConfig, SamplingParams
-from pipeline.steplogs.logview import load_step_log, print_summary, write_plot, write_trace
+from pipeline.steplog_tools.summary import load_step_log, print_summary, write_plot, write_trace
 
 
 def main() -> int:

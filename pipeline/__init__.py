@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from pipeline.executors import InProcessExecutor as InProcessExecutor
     from pipeline.executors import MultiprocExecutor as MultiprocExecutor
     from pipeline.executors import RayExecutor as RayExecutor
-    from pipeline.executors.worker_factory import GraphBuild as GraphBuild
+    from pipeline.executors.worker import GraphBuild as GraphBuild
     from pipeline.kernel import Finalizer as Finalizer
     from pipeline.kernel import FunctionStage as FunctionStage
     from pipeline.kernel import Stage as Stage
@@ -99,7 +99,7 @@ _EXPORTS: dict[str, str] = {
     "ScheduledRequest": "pipeline.artifacts",
     "SchedulerOutput": "pipeline.artifacts",
     "WorkerOutput": "pipeline.artifacts",
-    "GraphBuild": "pipeline.executors.worker_factory",
+    "GraphBuild": "pipeline.executors.worker",
     "Logits": "pipeline.logits",
     "LogitsBatch": "pipeline.logits",
     "LogitsStage": "pipeline.logits",

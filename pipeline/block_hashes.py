@@ -10,9 +10,9 @@ across engines. The seed is hashed as its decimal string, exactly as vLLM hashes
 ``PYTHONHASHSEED``: kvstep with ``hash_seed=0`` computes the same block hashes as vLLM
 started with ``PYTHONHASHSEED=0`` and ``prefix_caching_hash_algo="sha256_cbor"``.
 
-The engine's scheduler (:mod:`stages.schedule.hashing`), the connectors and a router
-(:mod:`pipeline.kv_events`) all hash with these functions. Everything here is pure and
-thread-safe.
+The engine's scheduler (through :class:`BlockHasher`, which keeps a request's hashes in
+step with its tokens), the connectors and a router (:mod:`pipeline.kv_events`) all hash
+with these functions. The functions are pure and thread-safe.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import cbor2
 
@@ -28,7 +29,9 @@ from pipeline.errors import InvalidRequestError
 
 __all__ = [
     "NONE_HASH",
+    "BlockHasher",
     "ExtraKeys",
+    "HashedTokens",
     "hash_block_tokens",
     "hash_fn",
     "hash_request_tokens",
@@ -100,3 +103,53 @@ def hash_request_tokens(
         )
         hashes.append(parent)
     return hashes
+
+
+class HashedTokens(Protocol):
+    """What :class:`BlockHasher` reads and extends: a
+    :class:`~pipeline.request.Request`'s tokens and the hashes of its full blocks (a
+    protocol, so that this module, which a router imports, does not import the engine's
+    request and configuration)."""
+
+    all_token_ids: list[int]
+    block_hashes: list[bytes]
+
+
+class BlockHasher:
+    """Keeps ``request.block_hashes`` in step with the request's full blocks.
+
+    Built once per scheduler with the block size and seed; call :meth:`update` after a
+    request is created and after every token appended to it. Only blocks that are
+    completely filled by ``request.all_token_ids`` are hashed.
+
+    Not thread-safe per request (it mutates ``request.block_hashes``); the scheduler
+    owns requests, so this holds by construction.
+    """
+
+    __slots__ = ("block_size", "hash_seed", "root")
+
+    def __init__(self, block_size: int, hash_seed: int = 0) -> None:
+        check_int("block_size", block_size, InvalidRequestError, lo=1)
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.root = none_hash(hash_seed)
+
+    def update(self, request: HashedTokens) -> list[bytes]:
+        """Append the hash of every newly full block to ``request.block_hashes``.
+
+        Returns:
+            The hashes appended by this call (often empty).
+        """
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        num_full = len(tokens) // self.block_size
+        added: list[bytes] = []
+        for index in range(len(hashes), num_full):
+            parent = hashes[index - 1] if index else None
+            start = index * self.block_size
+            block_hash = hash_block_tokens(
+                parent, tokens[start : start + self.block_size], root=self.root
+            )
+            hashes.append(block_hash)
+            added.append(block_hash)
+        return added

@@ -245,7 +245,7 @@ class EngineConfig:
             a short pass then costs no thread hand-over, and blocks the loop no
             longer than about this. A pass that runs a connector's layer hooks is
             always handed over. ``0`` hands every pass over.
-            In ``[0, 1]``; default 2 ms (:mod:`stages.forward.compute_thread`).
+            In ``[0, 1]``; default 2 ms (:mod:`stages.model.compute_thread`).
         cuda_graphs: Replay decode-only steps from CUDA graphs, captured the first time
             each padded batch size and block-table width is needed: one launch for the
             whole decoder instead of a dozen per layer, what a small batch's decode step
@@ -317,19 +317,19 @@ class EngineConfig:
         object.__setattr__(self, "logits_processors", entries)
 
 
-def config_values(config: EngineConfig, spec: type[Any], **renamed: str) -> dict[str, Any]:
-    """The keyword arguments of the attrs class ``spec`` that ``config`` holds.
+def config_values(config: EngineConfig, settings: type[Any], **renamed: str) -> dict[str, Any]:
+    """The keyword arguments of the attrs class ``settings`` that ``config`` holds.
 
-    A spec (a stage's or the runner's settings, derived once by its ``from_config``) names
+    A settings class (a stage's or the runner's, derived once by its ``from_config``) names
     its fields as ``EngineConfig`` does, so its field list is the only list of what it
-    takes; ``renamed`` maps a field that the spec names otherwise to the ``EngineConfig``
+    takes; ``renamed`` maps a field that the class names otherwise to the ``EngineConfig``
     field it reads (``num_blocks="num_gpu_blocks"``).
 
     Raises:
-        AttributeError: A field of ``spec`` that ``EngineConfig`` lacks (a programming
-            error, caught by any test that builds the spec).
+        AttributeError: A field of ``settings`` that ``EngineConfig`` lacks (a programming
+            error, caught by any test that builds the settings).
     """
     return {
         field.name: getattr(config, renamed.get(field.name, field.name))
-        for field in attrs.fields(spec)
+        for field in attrs.fields(settings)
     }

@@ -2,7 +2,7 @@
 
 Records go to a JSON-lines file when a path is given, through a private structlog
 logger built with :func:`structlog.wrap_logger` (never global configuration), and also to
-kvstep's logger at debug level (:mod:`pipeline.logs`: structlog's ``kvstep`` logger when
+kvstep's logger at debug level (:mod:`pipeline.logger`: structlog's ``kvstep`` logger when
 the application configured structlog, else ``logging.getLogger("kvstep")`` when it is
 enabled for debug). An unconfigured host application gets nothing on its stdout or
 stderr. The library never configures structlog globally.
@@ -30,7 +30,7 @@ import structlog
 
 from pipeline.errors import InvalidConfigError
 from pipeline.kernel.report import StepReport
-from pipeline.logs import debug_enabled, get_logger
+from pipeline.logger import debug_enabled, get_logger
 
 __all__ = ["RESERVED_FIELDS", "StepLog", "bind_step"]
 

@@ -78,7 +78,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """The tokenizer of a model directory, or ``None`` when it has no ``tokenizer.json``.
 
     ``builtin:`` names are not directories: pass the directory
-    ``stages.forward.resolve_model_path`` gives (the builtin models carry a tokenizer).
+    ``stages.model.resolve_model_path`` gives (the builtin models carry a tokenizer).
     """
     path = Path(model_dir) / "tokenizer.json"
     return Tokenizer(path) if path.is_file() else None

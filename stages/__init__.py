@@ -7,19 +7,20 @@ worker:  bind → load → forward → logits → sample → save → finished �
 from __future__ import annotations
 
 from stages.bind import BindStage
+from stages.clear import ClearConnectorStage
 from stages.drop_finished import DropFinishedStage, DropsRequests
 from stages.execute import ExecuteStage, Executor, SubmittedStep
 from stages.fail_step import FailStepStage
 from stages.fan_in import FanInAggregator, FanInStage
-from stages.finalize import ClearConnectorStage
 from stages.finished import FinishedStage
-from stages.forward.stage import ForwardStage
+from stages.forward import ForwardStage
 from stages.graphs import default_engine_graph, default_worker_graph
 from stages.load import LoadStage
 from stages.logits import LogitsAdjustStage
 from stages.sample import SampleStage
 from stages.save import SaveStage
-from stages.schedule_stage import ScheduleStage, UpdateStage
+from stages.schedule import ScheduleStage
+from stages.update import UpdateStage
 
 __all__ = [
     "BindStage",

@@ -29,7 +29,7 @@ import attrs
 from pipeline.artifacts import FanInOutput, KVStats, LoadFailures, WorkerOutput
 from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError, StageError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["FanInAggregator", "TransferKind"]
 

@@ -61,12 +61,12 @@ from pipeline.errors import StepCancelledError, StepFailure, WorkerFailedError
 from pipeline.kernel.context import StepContext
 from pipeline.kernel.report import StepReport
 from pipeline.kernel.stage import Finalizer
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from stages.aggregator import FanInAggregator
 from stages.execute import AnsweredRanks, Executor
 
 if TYPE_CHECKING:
-    from stages.schedule.scheduler import Scheduler
+    from stages.scheduler.scheduler import Scheduler
 
 __all__ = [
     "FailStepStage",

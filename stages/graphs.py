@@ -12,22 +12,23 @@ from connectors.base import KVConnectorWorker
 from pipeline.artifacts import SchedulerOutput
 from pipeline.kernel.graph import StepGraph
 from stages.bind import BindStage
+from stages.clear import ClearConnectorStage
 from stages.drop_finished import DropFinishedStage
 from stages.execute import ExecuteStage, Executor
 from stages.fail_step import FailStepStage
 from stages.fan_in import FanInAggregator, FanInStage
-from stages.finalize import ClearConnectorStage
 from stages.finished import FinishedStage, UnsentTransfers
-from stages.forward.stage import ForwardStage
+from stages.forward import ForwardStage
 from stages.load import LoadStage
 from stages.logits import LogitsAdjustStage
 from stages.sample import SampleStage
 from stages.save import SaveStage
-from stages.schedule_stage import ScheduleStage, StepLink, UpdateStage
+from stages.schedule import ScheduleStage, StepLink
+from stages.update import UpdateStage
 
 if TYPE_CHECKING:
-    from stages.forward.runner import ModelRunner
-    from stages.schedule.scheduler import Scheduler
+    from stages.model.runner import ModelRunner
+    from stages.scheduler.scheduler import Scheduler
 
 __all__ = ["default_engine_graph", "default_worker_graph"]
 
@@ -78,7 +79,7 @@ def default_engine_graph(
     ``aggregator`` carries the transfer lease (``FanInAggregator(lease_s=...)``) and is
     shared with the engine, which forgets aborted requests in it. ``fan_in_timeout_s``
     is the deadline under which ``execute`` awaits every rank's output. ``ahead``
-    (async scheduling): every step's :class:`~stages.schedule_stage.StepLink` is an
+    (async scheduling): every step's :class:`~stages.schedule.StepLink` is an
     input of the graph, which ``schedule`` takes to plan ahead of the step before.
     """
     return StepGraph(

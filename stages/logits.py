@@ -14,7 +14,7 @@ from pipeline.kernel.context import StepContext
 from pipeline.logits import Logits
 
 if TYPE_CHECKING:
-    from stages.forward.runner import ModelRunner
+    from stages.model.runner import ModelRunner
 
 __all__ = ["LogitsAdjustStage"]
 
@@ -25,7 +25,7 @@ T = TypeVar("T")
 class LogitsAdjustStage(ComputeStage):
     """The rows to sample with ``min_tokens``, ``logit_bias`` and the repetition,
     frequency and presence penalties applied, as vLLM's sampler applies them
-    (:func:`~stages.forward.sampling.adjust_logits`); a row that cannot be adjusted
+    (:func:`~stages.model.sampling.adjust_logits`); a row that cannot be adjusted
     fails alone. User logits stages go after it (``g.insert_after("logits", ...)``).
 
     Only the driver rank samples (``driver=True``); on the others the batch is empty.

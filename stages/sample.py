@@ -13,7 +13,7 @@ from pipeline.kernel.context import StepContext
 from pipeline.logits import Logits
 
 if TYPE_CHECKING:
-    from stages.forward.runner import ModelRunner
+    from stages.model.runner import ModelRunner
 
 __all__ = ["SampleStage"]
 

@@ -15,11 +15,11 @@ FIRST_IMPORTS = (
     "connectors",
     "connectors.base",
     "connectors.testing",
-    "stages.forward.model",
-    "stages.schedule.scheduler",
+    "stages.model.model",
+    "stages.scheduler.scheduler",
     "pipeline.server",
     "pipeline.cli",
-    "pipeline.executors.worker_proc",
+    "pipeline.executors.remote_worker",
 )
 
 

@@ -44,7 +44,7 @@ from connectors.multi.metadata import MultiMetadata
 from connectors.multi.options import MultiOptions
 from connectors.options import options_scope, options_where
 from connectors.registry import create_connector
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 if TYPE_CHECKING:
     from pipeline.artifacts import ScheduledRequest, SchedulerOutput

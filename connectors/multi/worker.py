@@ -42,7 +42,7 @@ from connectors.options import options_scope, options_where
 from connectors.registry import create_connector
 from pipeline.artifacts import KVStats
 from pipeline.errors import StageError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 if TYPE_CHECKING:
     import torch

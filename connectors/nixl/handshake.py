@@ -27,7 +27,7 @@ import msgspec
 from connectors.nixl.errors import HandshakeError
 from connectors.nixl.tickets import ClaimBook, ClaimResult
 from connectors.nixl.transfer_key import TransferKey
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 if TYPE_CHECKING:
     import zmq

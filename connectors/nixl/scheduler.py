@@ -38,7 +38,7 @@ from connectors.nixl.metadata import HeldSend, NixlMetadata, RemoteRead
 from connectors.nixl.options import NixlOptions, RemotePrefill
 from connectors.nixl.tickets import EXPIRED, Ticket, check_ticket, issue_ticket, prompt_digest
 from pipeline.errors import InvalidConfigError, InvalidRequestError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.request import RequestStatus
 from pipeline.transfer_params import MAX_TRANSFER_ENTRIES
 

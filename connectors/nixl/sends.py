@@ -21,7 +21,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable
 
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["HeldSends"]
 

@@ -60,7 +60,7 @@ from connectors.nixl.scheduler import model_key
 from connectors.nixl.sends import HeldSends
 from connectors.nixl.tickets import ClaimBook
 from pipeline.artifacts import KVStats, LoadFailureCause, LoadFailures
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["NixlWorker"]
 

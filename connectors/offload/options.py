@@ -4,7 +4,7 @@ The tier's size is counted in **slots** (one slot holds one KV block of every la
 because the scheduler half decides every slot and cannot see the model: ``num_blocks``
 says it directly. ``capacity_bytes`` is accepted together with ``block_bytes`` (the KV
 bytes of one block over all layers, e.g. from
-:func:`stages.forward.kv_cache.kv_cache_block_bytes`); the slot count is then
+:func:`stages.model.kv_cache.kv_cache_block_bytes`); the slot count is then
 ``capacity_bytes // block_bytes``, and the worker half checks at
 ``register_kv_caches`` that ``block_bytes`` matches its paged cache, so the two halves
 can never disagree about the size of the tier.
@@ -48,7 +48,7 @@ def _slots(options: OffloadOptions) -> int:
             option_name("block_bytes"),
             None,
             "capacity_bytes needs block_bytes (the KV bytes of one block over all "
-            "layers, e.g. stages.forward.kv_cache.kv_cache_block_bytes(...))",
+            "layers, e.g. stages.model.kv_cache.kv_cache_block_bytes(...))",
         )
     if capacity // block_bytes < 1:
         raise InvalidConfigError(

@@ -50,7 +50,7 @@ from connectors.store.tracking import (
     track_scheduled,
 )
 from pipeline.kv_events.events import MEDIUM_CPU
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 if TYPE_CHECKING:
     from pipeline.artifacts import ScheduledRequest, SchedulerOutput

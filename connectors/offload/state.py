@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import attrs
 
-from connectors.device import DeviceEvent
 from connectors.offload.metadata import BlockCopy
 from connectors.offload.pool import CopyRun
 from connectors.store.worker import StoreWorkerStats
+from pipeline.device_sync import DeviceEvent
 
 __all__ = ["OffloadWorkerStats", "StepState"]
 

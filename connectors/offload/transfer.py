@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
-from connectors.device import DeviceEvent, DeviceSync
 from connectors.offload.pool import CopyRun, HostKVPool, run_blocks
-from pipeline.logs import get_logger
+from pipeline.device_sync import DeviceEvent, DeviceSync
+from pipeline.logger import get_logger
 
 __all__ = ["LoadJob", "ThreadLoader", "StreamLoader"]
 

@@ -28,7 +28,6 @@ import attrs
 import torch
 
 from connectors.base import ConnectorContext, ForwardContext, KVConnectorWorker, WorkerFinished
-from connectors.device import DeviceSync, make_device_sync
 from connectors.offload.metadata import BlockCopy, OffloadMetadata
 from connectors.offload.options import OffloadOptions
 from connectors.offload.pool import HostKVPool, make_runs
@@ -36,8 +35,9 @@ from connectors.offload.state import OffloadWorkerStats, StepState
 from connectors.offload.transfer import LoadJob, StreamLoader, ThreadLoader
 from connectors.store.metadata import require_fingerprint
 from pipeline.artifacts import KVStats
+from pipeline.device_sync import DeviceSync, make_device_sync
 from pipeline.errors import InvalidConfigError, StageError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["OffloadWorker"]
 

@@ -29,7 +29,7 @@ from connectors.redis_store.metadata import BlockTransfer
 from connectors.redis_store.store import RateLimitedLog, RedisStore
 from pipeline.artifacts import LoadFailureCause, LoadFailures
 from pipeline.errors import FrameError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["RedisLoadJob"]
 

@@ -18,7 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from connectors.redis_store.options import RedisOptions
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["RateLimitedLog", "RedisStore", "store_key"]
 

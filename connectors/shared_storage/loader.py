@@ -28,7 +28,7 @@ from connectors.shared_storage.metadata import BlockRef
 from connectors.shared_storage.store import DiskStore
 from pipeline.artifacts import LoadFailureCause, LoadFailures
 from pipeline.errors import FrameError, InvalidConfigError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["StoreLoad", "open_block"]
 

@@ -46,7 +46,7 @@ from connectors.shared_storage.naming import (
     value_name,
 )
 from pipeline.errors import InvalidConfigError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["LOW_WATER", "SUFFIX", "DiskStore", "write_atomic"]
 

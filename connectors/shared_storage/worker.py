@@ -36,7 +36,7 @@ from connectors.shared_storage.options import SharedStorageOptions
 from connectors.shared_storage.store import DiskStore
 from connectors.store.worker import StoreStep, StoreWorker, StoreWorkerStats
 from pipeline.errors import StageError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["SharedStorageWorker", "SharedStorageWorkerStats"]
 

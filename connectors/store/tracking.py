@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 if TYPE_CHECKING:
     from pipeline.artifacts import ScheduledRequest

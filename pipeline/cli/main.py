@@ -25,7 +25,7 @@ from pipeline.cli.config_flags import (
 )
 from pipeline.cli.flag_help import RUN_DEFAULTS, finish_help
 from pipeline.errors import InvalidConfigError, KvstepError
-from pipeline.logs import cli_logging
+from pipeline.logger import cli_logging
 
 __all__ = ["build_parser", "main", "serve_config"]
 
@@ -144,7 +144,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    from pipeline.steplogs.logview import (
+    from pipeline.steplog_tools.summary import (
         load_step_log,
         parse_steps,
         print_summary,
@@ -201,7 +201,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
         return _missing_server_extra(exc)
     access = {"access_log": True} if getattr(args, "access_log", False) else {}
     if isinstance(args.tokenizer, str) and args.tokenizer.startswith("builtin:"):
-        from stages.forward.builtin import tokenizer_dir  # builds it once, like serve
+        from stages.model.builtin import tokenizer_dir  # builds it once, like serve
 
         args.tokenizer = str(tokenizer_dir(args.tokenizer))
     with cli_logging(logging.INFO):  # the ready line and upstream failures on stderr

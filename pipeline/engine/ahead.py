@@ -3,9 +3,9 @@
 :class:`StepsAhead` keeps at most two engine steps in flight. Step N+1 starts (and is
 planned: the scheduler counts N's sampled tokens as placeholders) as soon as step N is
 planned; its ``schedule`` stage then waits until N's outputs are applied and resolves
-its plan against them (:mod:`stages.schedule.lookahead`), so N+1's workers see the same
+its plan against them (:mod:`stages.scheduler.lookahead`), so N+1's workers see the same
 batch, tokens and seeds as without it. The two steps meet through N+1's
-:class:`~stages.schedule_stage.StepLink`, an input of the engine graph
+:class:`~stages.schedule.StepLink`, an input of the engine graph
 (``default_engine_graph(..., ahead=True)``) that ``schedule`` requires. While N+1's
 forward pass runs, the loop hands N's outputs to their streams and plans N+2. Every step
 still runs its whole graph, one after the other on each rank: ``clear`` runs once per
@@ -21,7 +21,7 @@ from anyio.abc import TaskGroup
 
 from pipeline.artifacts import EngineStepOutput
 from pipeline.engine.core import EngineCore
-from stages.schedule_stage import StepLink
+from stages.schedule import StepLink
 
 __all__ = ["StepLoopError", "StepsAhead", "unwrap_loop_error"]
 

@@ -25,7 +25,7 @@ from pipeline.errors import (
     EngineOverloaded,
     InvalidRequestError,
 )
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.request import RequestOutput
 from pipeline.transfer_params import check_transfer_params
 

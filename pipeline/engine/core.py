@@ -23,20 +23,19 @@ from pipeline.engine.step_record import record_engine_step
 from pipeline.errors import EngineDeadError
 from pipeline.executors.backends import start_executor
 from pipeline.executors.protocol import Executor
-from pipeline.executors.worker import Worker
-from pipeline.executors.worker_factory import GraphArg, apply_graph, connector_context
+from pipeline.executors.worker import GraphArg, Worker, apply_graph, connector_context
 from pipeline.kernel.context import StepContext
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.request import RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.tokenizer import load_tokenizer
 from pipeline.transfer_params import check_transfer_params
 from stages.fail_step import step_error
 from stages.fan_in import FanInAggregator
-from stages.forward.builtin import tokenizer_dir
 from stages.graphs import default_engine_graph
-from stages.schedule.scheduler import Scheduler
-from stages.schedule_stage import StepLink
+from stages.model.builtin import tokenizer_dir
+from stages.schedule import StepLink
+from stages.scheduler.scheduler import Scheduler
 
 __all__ = ["EngineCore", "GraphArg"]
 

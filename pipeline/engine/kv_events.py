@@ -22,7 +22,7 @@ from pipeline.config import EngineConfig
 from pipeline.kv_events.events import MEDIUM_GPU
 from pipeline.kv_events.publisher import ZmqEventPublisher
 from pipeline.kv_events.sink import KVEventSink
-from stages.schedule.block_pool import BlockPool
+from stages.scheduler.block_pool import BlockPool
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorScheduler

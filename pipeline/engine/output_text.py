@@ -43,7 +43,7 @@ import attrs
 from pipeline.config import SamplingParams
 from pipeline.detokenize import Detokenizer
 from pipeline.errors import InvalidRequestError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.request import RequestOutput
 
 __all__ = ["OutputText", "StopMatcher", "TextTracker", "TextUpdate", "find_stop", "held_back"]

@@ -10,7 +10,7 @@ from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
 from pipeline.kernel.context import StepContext
 from pipeline.request import RequestOutput
 from pipeline.steplog import StepLog
-from stages.schedule_stage import StepLink
+from stages.schedule import StepLink
 
 __all__ = ["record_engine_step"]
 

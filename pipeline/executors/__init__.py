@@ -4,7 +4,7 @@ One protocol (:class:`Executor`, and :class:`RemoteExecutor` for ranks that load
 model themselves), three backends (in-process, ``multiproc`` worker processes, Ray
 actors), the table the engine starts them from (:data:`BACKENDS`), and the wire the
 remote ranks speak (:mod:`~pipeline.executors.wire`, :mod:`~pipeline.executors.channel`).
-A worker process runs ``python -m pipeline.executors.worker_proc``.
+A worker process runs ``python -m pipeline.executors.remote_worker``.
 """
 
 from __future__ import annotations

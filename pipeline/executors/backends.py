@@ -22,14 +22,13 @@ from pipeline.executors.multiproc import MultiprocExecutor
 from pipeline.executors.protocol import Executor, RemoteExecutor
 from pipeline.executors.ray import RayExecutor
 from pipeline.executors.remote import connector_import_paths
-from pipeline.executors.worker import Worker
-from pipeline.executors.worker_factory import GraphArg, build_worker, graph_import_path
+from pipeline.executors.worker import GraphArg, Worker, build_worker, graph_import_path
 from pipeline.steplog import StepLog
-from stages.forward.builtin import resolve_model_path
-from stages.forward.config import ModelConfig, load_model_config
-from stages.forward.parallel import check_tp_divisible
-from stages.forward.runner import ModelRunner
-from stages.forward.spec import RunnerSpec
+from stages.model.builtin import resolve_model_path
+from stages.model.config import ModelConfig, load_model_config
+from stages.model.parallel import check_tp_divisible
+from stages.model.runner import ModelRunner
+from stages.model.settings import RunnerSettings
 
 __all__ = [
     "BACKENDS",
@@ -67,10 +66,10 @@ class Backend(Protocol):
 
 
 def _load_runners(config: EngineConfig) -> list[ModelRunner]:
-    spec = RunnerSpec.from_config(config)
-    first = ModelRunner.load(spec, rank=0)
+    settings = RunnerSettings.from_config(config)
+    first = ModelRunner.load(settings, rank=0)
     rest = [
-        ModelRunner.load(spec, rank=rank, shared_model=first)
+        ModelRunner.load(settings, rank=rank, shared_model=first)
         for rank in range(1, config.world_size)
     ]
     return [first, *rest]

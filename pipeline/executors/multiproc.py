@@ -1,6 +1,6 @@
 """``multiproc``: one long-lived worker process per rank, tensor-parallel over torch.distributed.
 
-Each rank is ``python -m pipeline.executors.worker_proc`` holding one end of a socket pair; the
+Each rank is ``python -m pipeline.executors.remote_worker`` holding one end of a socket pair; the
 engine and the worker exchange :mod:`pipeline.executors.wire` messages (msgspec, never pickle).
 The ranks meet in a ``torch.distributed`` group (gloo on CPU, NCCL on CUDA, through a
 file store in a private temporary directory) and split the model's heads and MLP.
@@ -43,7 +43,7 @@ from pipeline.executors.remote import (
 )
 from pipeline.executors.wire_checks import encode_step_isolated
 from pipeline.executors.workdirs import release_shared_file
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.steplog import StepLog
 from stages.execute import SubmittedStep
 
@@ -150,7 +150,7 @@ class MultiprocExecutor:
                         [
                             sys.executable,
                             "-m",
-                            "pipeline.executors.worker_proc",
+                            "pipeline.executors.remote_worker",
                             "--fd",
                             str(theirs.fileno()),
                         ],

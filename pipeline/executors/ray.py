@@ -5,7 +5,7 @@ per rank: a CPU, or a GPU on CUDA) on whatever nodes the cluster offers; rank 0'
 names the rendezvous address (its node's IP and a free port) and every rank joins the
 ``torch.distributed`` group there (gloo on CPU, NCCL on CUDA), exactly as the
 ``multiproc`` workers do. Each actor runs the same worker code as a worker process
-(:mod:`pipeline.executors.worker_proc`).
+(:mod:`pipeline.executors.remote_worker`).
 
 Nothing is pickled: every actor call takes and returns ``bytes`` holding one
 :mod:`pipeline.executors.wire` message, which Ray carries as raw binary (its serializer does not
@@ -37,7 +37,7 @@ from pipeline.executors import wire
 from pipeline.executors.ray_actor import RayWorkerActor
 from pipeline.executors.remote import check_ready, init_message, settle_reply
 from pipeline.executors.wire_checks import encode_step_isolated
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.steplog import StepLog
 from stages.execute import SubmittedStep
 

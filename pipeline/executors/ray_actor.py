@@ -1,7 +1,7 @@
 """The body of one rank's Ray actor (``ray.remote`` wraps it when the executor launches).
 
 It runs the same worker code as a ``multiproc`` worker process
-(:mod:`pipeline.executors.worker_proc`). Every method takes and returns the bytes of one
+(:mod:`pipeline.executors.remote_worker`). Every method takes and returns the bytes of one
 :mod:`pipeline.executors.wire` message and never raises: an exception would travel back pickled,
 so failures come back as ``InitFailed`` / ``StepFailed`` messages.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.config import EngineConfig
 from pipeline.executors import wire
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["RayWorkerActor"]
 
@@ -28,7 +28,7 @@ class RayWorkerActor:
     """
 
     def __init__(self) -> None:
-        from pipeline.executors.worker_proc import Records
+        from pipeline.executors.remote_worker import Records
 
         self._records = Records()
         self._worker: Any = None
@@ -47,8 +47,11 @@ class RayWorkerActor:
 
     def start(self, data: bytes) -> bytes:
         """Decode the ``Init``, join the group, load the shard; ``Ready`` or ``InitFailed``."""
-        from pipeline.executors.worker_proc import bind_worker_context, start
-        from pipeline.executors.worker_steps import connector_metadata_types
+        from pipeline.executors.remote_worker import (
+            bind_worker_context,
+            connector_metadata_types,
+            start,
+        )
 
         rank = -1
         try:
@@ -70,9 +73,9 @@ class RayWorkerActor:
             return wire.encode(wire.InitFailed(rank, type(exc).__name__, str(exc)))
 
     async def step(self, data: bytes) -> bytes:
-        """Run one ``Step``; ``StepDone`` or ``StepFailed`` (also for a frame that does
-        not decode, or a reply that does not encode: see :mod:`pipeline.executors.worker_steps`)."""
-        from pipeline.executors.worker_steps import answer
+        """Run one ``Step``; ``StepDone`` or ``StepFailed`` (also for a frame that does not
+        decode, or a reply that does not encode: see :mod:`pipeline.executors.remote_worker`)."""
+        from pipeline.executors.remote_worker import answer
 
         if self._worker is None:
             return wire.encode(wire.StepFailed(-1, -1, "the worker is not started", None, []))
@@ -87,7 +90,7 @@ class RayWorkerActor:
 
     async def shutdown(self) -> bytes:
         """Close the worker and leave the group; idempotent."""
-        from stages.forward.parallel import destroy_process_group
+        from stages.model.parallel import destroy_process_group
 
         try:
             if self._worker is not None:

@@ -22,7 +22,7 @@ from pipeline.executors import wire
 from pipeline.executors.workdirs import make_workdir, sweep_stale_workdirs
 from pipeline.imports import import_path
 from pipeline.steplog import StepLog
-from stages.forward.shm_allreduce import available, region_bytes, slot_bytes
+from stages.model.shm_allreduce import available, region_bytes, slot_bytes
 
 __all__ = [
     "check_ready",
@@ -72,9 +72,9 @@ def rank_device(device: str, rank: int) -> str:
 
 def _shm_slot_bytes(config: EngineConfig) -> int:
     """Slot size of the shared-memory all-reduce (0: not offered on this machine)."""
-    from stages.forward.builtin import resolve_model_path
-    from stages.forward.config import load_model_config
-    from stages.forward.runner_load import resolve_dtype
+    from stages.model.builtin import resolve_model_path
+    from stages.model.config import load_model_config
+    from stages.model.runner_parts import resolve_dtype
 
     if not available():
         return 0

@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = [
     "PREFIX",

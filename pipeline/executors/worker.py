@@ -1,20 +1,54 @@
-"""One worker rank: its model runner, its connector half and its step graph."""
+"""One worker rank: how it is built, in the engine's process or a worker's, and how it
+runs a step.
+
+The in-process executor and the worker processes build their ranks with the same code
+(:func:`build_worker`): the rank's connector half (wrapped in the lifecycle guard, its KV
+caches registered), the default worker graph, the configured logits processors
+(``EngineConfig.logits_processors``, inserted after ``logits`` in order), and the user's
+change to it. A graph function takes the graph, or the graph and a :class:`GraphBuild`
+(what the rank is built with), so that a user stage can be built with the runner, the
+connector or the config::
+
+    def my_graph(graph: StepGraph, build: GraphBuild) -> StepGraph:
+        return graph.insert_after("logits", MyStage(vocab=build.runner.model_config.vocab_size))
+
+A :class:`Worker` then runs the worker graph for its rank, one step at a time.
+"""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
+from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
+from connectors.lifecycle import make_worker
+from connectors.registry import create_connector
 from pipeline.artifacts import SchedulerOutput, WorkerOutput
-from pipeline.errors import WorkerFailedError
+from pipeline.config import EngineConfig
+from pipeline.errors import InvalidConfigError, WorkerFailedError
+from pipeline.imports import import_path, resolve_import_path
 from pipeline.kernel.context import StepContext
 from pipeline.kernel.graph import StepGraph
 from pipeline.steplog import StepLog, bind_step
 from stages.finished import UnsentTransfers
+from stages.graphs import default_worker_graph
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorWorker
+    from stages.model.runner import ModelRunner
 
-__all__ = ["Worker"]
+__all__ = [
+    "GraphArg",
+    "GraphBuild",
+    "Worker",
+    "apply_graph",
+    "build_worker",
+    "connector_context",
+    "graph_import_path",
+]
 
 
 class Worker:
@@ -84,3 +118,171 @@ class Worker:
             close = getattr(self.runner, "close", None)
             if close is not None:
                 close()
+
+
+@attrs.frozen
+class GraphBuild:
+    """What one rank's worker graph is built with; the second argument of a graph
+    function that takes two.
+
+    Attributes:
+        rank: The rank (0 is the driver, which samples).
+        world_size: Ranks in the tensor-parallel group.
+        runner: The rank's :class:`~stages.model.runner.ModelRunner` (its
+            ``model_config``, ``device``, ``compute`` thread, ...).
+        connector: The rank's KV connector half (lifecycle-guarded), or ``None``.
+        config: The engine's configuration.
+    """
+
+    rank: int
+    world_size: int
+    runner: ModelRunner = attrs.field(repr=False)
+    connector: Any = attrs.field(repr=False)
+    config: EngineConfig = attrs.field(repr=False)
+
+
+GraphArg = (
+    StepGraph
+    | Callable[[StepGraph], StepGraph]
+    | Callable[[StepGraph, GraphBuild], StepGraph]
+    | str
+    | None
+)
+"""A custom graph: a graph, a function from the default graph (and, if it takes two
+arguments, a :class:`GraphBuild`) to a new one, or the import path
+(``"module:function"``) of such a function."""
+
+
+def _takes_build(fn: Callable[..., Any]) -> bool:
+    """Whether graph function ``fn`` takes a second positional argument (the build)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(positional) >= 2 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+
+
+def apply_graph(custom: GraphArg, default: StepGraph, build: GraphBuild | None = None) -> StepGraph:
+    """The graph ``custom`` makes of ``default`` (a function taking two arguments also
+    gets ``build``).
+
+    Raises:
+        InvalidConfigError: An import path that does not import, or a function that does
+            not return a :class:`StepGraph`.
+    """
+    if custom is None:
+        return default
+    if isinstance(custom, StepGraph):
+        return custom
+    if isinstance(custom, str):
+        custom = resolve_import_path(custom, what="graph")
+        if not callable(custom):
+            raise InvalidConfigError("graph", custom, "an import path must name a function")
+    if build is not None and _takes_build(custom):
+        graph = custom(default, build)  # type: ignore[call-arg]
+    else:
+        graph = custom(default)  # type: ignore[call-arg]
+    if not isinstance(graph, StepGraph):
+        raise InvalidConfigError(
+            "graph", graph, "a graph function must return a StepGraph (e.g. g.insert_after(...))"
+        )
+    return graph
+
+
+def graph_import_path(custom: GraphArg) -> str | None:
+    """``custom`` as an import path that a worker process can resolve.
+
+    Raises:
+        InvalidConfigError: A graph object, a lambda or a nested function: it holds live
+            objects or code another process cannot import.
+    """
+    if custom is None or isinstance(custom, str):
+        if isinstance(custom, str):
+            resolve_import_path(custom, what="worker_graph")  # fail here, not in N workers
+        return custom
+    if isinstance(custom, StepGraph):
+        raise InvalidConfigError(
+            "worker_graph",
+            custom,
+            "with worker processes, pass a module-level function from the default worker "
+            "graph to a new one (or its 'module:function' path), not a built graph",
+        )
+    return import_path(custom, what="worker_graph")
+
+
+def connector_context(
+    config: EngineConfig,
+    *,
+    role: KVConnectorRole,
+    rank: int,
+    fingerprint: ModelFingerprint | None,
+) -> ConnectorContext:
+    """What a connector half of ``config`` is built with."""
+    return ConnectorContext(
+        role=role,
+        options=dict(config.connector_options),
+        block_size=config.block_size,
+        fingerprint=fingerprint,
+        rank=rank,
+        world_size=config.world_size,
+        hash_seed=config.hash_seed,
+        engine_id=config.engine_id or "",
+    )
+
+
+def with_logits_processors(graph: StepGraph, config: EngineConfig) -> StepGraph:
+    """``graph`` with ``config.logits_processors`` inserted after ``logits``, in order.
+
+    Raises:
+        InvalidConfigError: An entry that does not resolve to a logits stage.
+    """
+    if not config.logits_processors:
+        return graph
+    from pipeline.logits_processors import resolve_logits_processors
+
+    after = "logits"
+    for stage in resolve_logits_processors(config):
+        graph = graph.insert_after(after, stage)
+        after = stage.name
+    return graph
+
+
+def build_worker(
+    config: EngineConfig,
+    runner: ModelRunner,
+    *,
+    rank: int,
+    worker_graph: GraphArg,
+    step_log: StepLog,
+) -> Worker:
+    """Rank ``rank``'s worker around ``runner`` (which it then owns).
+
+    Raises:
+        UnknownConnectorError: ``config.connector`` is not registered.
+        InvalidConfigError: A bad custom graph or connector option.
+    """
+    connector = None
+    if config.connector is not None:
+        raw = create_connector(
+            config.connector,
+            KVConnectorRole.WORKER,
+            connector_context(
+                config, role=KVConnectorRole.WORKER, rank=rank, fingerprint=runner.fingerprint
+            ),
+        )
+        connector = make_worker(raw)
+        connector.register_kv_caches(runner.kv_caches)
+    graph = default_worker_graph(
+        runner, rank=rank, connector=connector, finalizer_timeout_s=config.finalizer_timeout_s
+    )
+    graph = with_logits_processors(graph, config)
+    build = GraphBuild(
+        rank=rank, world_size=config.world_size, runner=runner, connector=connector, config=config
+    )
+    graph = apply_graph(worker_graph, graph, build)
+    return Worker(rank, graph, connector=connector, runner=runner, step_log=step_log)

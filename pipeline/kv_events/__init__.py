@@ -29,8 +29,9 @@ from pipeline.kv_events.events import (
     decode_batch,
     encode_batch,
     external_block_hash,
+    prompt_block_digests,
+    prompt_block_hashes,
 )
-from pipeline.kv_events.hashing import prompt_block_digests, prompt_block_hashes
 from pipeline.kv_events.index import KVBlockIndex
 from pipeline.kv_events.publisher import (
     END_SEQ,

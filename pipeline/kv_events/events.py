@@ -29,9 +29,14 @@ no LoRA (``lora_id`` and ``lora_name`` are always ``None``) and no data parallel
 the low 64 bits of the 32-byte SHA-256 digest as an unsigned int, exactly as vLLM with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (its default) converts its digests
 (:func:`external_block_hash`); with ``KVEventsConfig(hash_format="bytes")`` the whole
-32-byte digest. The digests are those of :mod:`stages.schedule.hashing` (vLLM's
-``sha256_cbor`` chain from the engine's ``hash_seed``); a router recomputes them with
-:func:`pipeline.kv_events.prompt_block_hashes`.
+32-byte digest. The digests are those of :mod:`pipeline.block_hashes` (vLLM's
+``sha256_cbor`` chain from the engine's ``hash_seed``); a router recomputes a prompt's
+with :func:`prompt_block_hashes`. A replica's hash of block ``i`` is a pure function of
+the prompt's token ids up to the end of that block, the ``block_size`` and the engine's
+``hash_seed``; the device tier's hashes do not include the model fingerprint, so a router
+compares hashes only among replicas that serve the same model with the same
+``block_size`` and ``hash_seed``. This module does not import the scheduler (the proxy
+imports it).
 
 **Media.** Each event names the tier it is about, with vLLM's names: ``"GPU"``
 (:data:`MEDIUM_GPU`) for the device tier on every device, as vLLM's block pool does on
@@ -56,9 +61,14 @@ vLLM: the offload tier's hashes are then under-counted, never invented.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
+
+from pipeline.block_hashes import hash_request_tokens
+from pipeline.checks import check_int
+from pipeline.errors import InvalidRequestError
 
 __all__ = [
     "HASH_FORMATS",
@@ -77,6 +87,8 @@ __all__ = [
     "decode_batch",
     "encode_batch",
     "external_block_hash",
+    "prompt_block_digests",
+    "prompt_block_hashes",
 ]
 
 MEDIUM_GPU = "GPU"
@@ -113,6 +125,35 @@ def external_block_hash(digest: bytes, hash_format: Literal["int", "bytes"] = "i
     if hash_format == "bytes":
         return digest
     return int.from_bytes(digest, "big") & _LOW_64
+
+
+def prompt_block_digests(
+    token_ids: Sequence[int], block_size: int, *, hash_seed: int = 0
+) -> list[bytes]:
+    """The 32-byte chained digest of every full block of ``token_ids`` (a trailing
+    partial block has none), equal to a replica's ``request.block_hashes``.
+
+    Raises:
+        InvalidRequestError: ``block_size`` is not a positive int, or ``hash_seed`` is
+            not an int.
+    """
+    check_int("hash_seed", hash_seed, InvalidRequestError)
+    return hash_request_tokens(token_ids, block_size, hash_seed=hash_seed)
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    hash_seed: int = 0,
+    hash_format: Literal["int", "bytes"] = "int",
+) -> list[ExternalBlockHash]:
+    """The hashes of ``token_ids``' full blocks as a replica's events carry them (the
+    replica's ``KVEventsConfig.hash_format``): what a router looks up in its index."""
+    return [
+        external_block_hash(d, hash_format)
+        for d in prompt_block_digests(token_ids, block_size, hash_seed=hash_seed)
+    ]
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

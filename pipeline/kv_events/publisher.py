@@ -45,7 +45,7 @@ from pipeline.kv_events.config import KVEventsConfig
 from pipeline.kv_events.events import KVEvent, KVEventBatch, encode_batch
 from pipeline.kv_events.replay_limit import ReplayLimiter
 from pipeline.kv_events.zmq_support import import_zmq, is_ipv6
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = [
     "END_SEQ",

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import anyio
 
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = ["EventWatch", "watch_forever"]
 

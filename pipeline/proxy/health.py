@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import httpx
 
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.proxy.pool import Backend, BackendPool
 
 __all__ = ["poll_forever", "poll_once"]

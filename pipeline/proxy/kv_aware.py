@@ -54,7 +54,7 @@ from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.pool import Backend, BackendPool
 from pipeline.proxy.prefix_index import PrefixIndex
 from pipeline.server.chat_template import parse_messages, render_chat
-from pipeline.server.prompt import INLINE_ENCODE_BYTES
+from pipeline.server.prompt_encoder import INLINE_ENCODE_BYTES
 
 __all__ = ["KVAwareRouter"]
 

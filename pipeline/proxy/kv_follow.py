@@ -46,7 +46,7 @@ from pipeline.kv_events import (
     KVEventSubscriber,
     SequencedBatch,
 )
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.proxy.event_watch import EventWatch
 from pipeline.proxy.pool import Backend
 from pipeline.proxy.prefix_index import PrefixIndex

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from pipeline.errors import InvalidConfigError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.proxy.app import create_proxy_app
 from pipeline.proxy.options import POLICIES, ProxyOptions
 from pipeline.server.options import ServerOptions

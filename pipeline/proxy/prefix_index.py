@@ -3,7 +3,7 @@
 A router fed with every replica's ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared`` events keeps, per block hash, the set of replicas that hold it (a
 bit mask over the replicas' slots). Since a block's hash chains its whole prefix
-(:func:`~stages.schedule.hashing.hash_request_tokens`), a replica's cached prefix of a
+(:func:`~pipeline.block_hashes.hash_request_tokens`), a replica's cached prefix of a
 prompt is the run of the prompt's block hashes it holds from the first one on:
 :meth:`PrefixIndex.match` walks the prompt's hashes once, for all replicas at a time.
 

@@ -14,7 +14,7 @@ import anyio
 import attrs
 import httpx
 
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.proxy.metrics import ProxyMetrics
 from pipeline.proxy.pool import Backend, BackendPool
 from pipeline.server.errors import HTTPProblem

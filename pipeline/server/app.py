@@ -18,7 +18,7 @@ from starlette.routing import Route
 from pipeline.config import EngineConfig
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.errors import EngineDeadError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.server.chat import chat_completions
 from pipeline.server.completions import completions
 from pipeline.server.errors import error_body, exception_handlers
@@ -26,10 +26,10 @@ from pipeline.server.kv_transfer import RELEASE_PATH, release_transfer
 from pipeline.server.metrics import LoopLagMonitor, ServerMetrics
 from pipeline.server.middleware import GuardMiddleware
 from pipeline.server.options import ServerOptions
-from pipeline.server.prompt import PromptEncoder
+from pipeline.server.prompt_encoder import PromptEncoder
 from pipeline.server.tokenize import detokenize, tokenize
 from pipeline.tokenizer import load_tokenizer
-from stages.forward.builtin import tokenizer_dir
+from stages.model.builtin import tokenizer_dir
 
 __all__ = ["ServerState", "create_app"]
 

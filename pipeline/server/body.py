@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from pipeline.errors import InvalidRequestError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.server.errors import HTTPProblem, request_id
 from pipeline.server.options import ServerOptions
 

@@ -42,7 +42,7 @@ from pipeline.server.errors import arrival_time, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
 from pipeline.server.limits import check_choices, check_prompt_logprobs
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
-from pipeline.server.prompts import fit_max_tokens
+from pipeline.server.prompt_field import fit_max_tokens
 from pipeline.server.reply import json_reply
 from pipeline.server.schemas import SharedFields, parse_shared_fields
 

@@ -1,6 +1,6 @@
 """``POST /v1/completions``: read, validate, admit, then stream or collect.
 
-A batch (``prompt`` a list of prompts, see :mod:`pipeline.server.prompts`) with ``n``
+A batch (``prompt`` a list of prompts, see :mod:`pipeline.server.prompt_field`) with ``n``
 choices per prompt is one engine request per choice, all admitted before the response
 starts (see :mod:`pipeline.server.fanin`): choice ``index`` is ``prompt_index * n +
 copy`` and ``usage`` sums over them (each prompt counted once).
@@ -45,7 +45,7 @@ from pipeline.server.errors import arrival_time, error_body, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
 from pipeline.server.limits import check_choices, check_prompt_logprobs
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
-from pipeline.server.prompts import Prompt, fit_max_tokens
+from pipeline.server.prompt_field import Prompt, fit_max_tokens
 from pipeline.server.reply import json_reply
 from pipeline.server.schemas import SharedFields, parse_completion_request
 

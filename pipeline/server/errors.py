@@ -23,7 +23,7 @@ from pipeline.errors import (
     InvalidRequestError,
     KvstepError,
 )
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 __all__ = [
     "HTTPProblem",

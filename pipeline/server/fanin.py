@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 from pipeline.config import SamplingParams
 from pipeline.engine.async_engine import AsyncEngine, RequestStream
 from pipeline.errors import EngineDeadError, InvalidRequestError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.request import RequestOutput
 from pipeline.server.body import CLIENT_CLOSED
 from pipeline.server.errors import HTTPProblem, error_body, request_id

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.config import EngineConfig
-from pipeline.logs import cli_logging, get_logger
+from pipeline.logger import cli_logging, get_logger
 from pipeline.server.app import create_app
 from pipeline.server.options import API_KEY_ENV, ServerOptions
 

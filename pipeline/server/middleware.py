@@ -16,7 +16,7 @@ import time
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.server.errors import error_response, ignored_fields_header
 
 __all__ = ["GuardMiddleware"]

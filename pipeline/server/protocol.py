@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 
 if TYPE_CHECKING:
     from pipeline.server.options import ServerOptions

@@ -5,7 +5,7 @@ Every known field is type-checked here (see :mod:`pipeline.server.fields`), befo
 must be finite and lists are capped. Both endpoints take:
 
 - ``n`` (1 to :data:`~pipeline.server.fields.MAX_N` choices per prompt; a completions
-  request's prompts times ``n`` at most :data:`~pipeline.server.prompts.MAX_PROMPTS`)
+  request's prompts times ``n`` at most :data:`~pipeline.server.prompt_field.MAX_PROMPTS`)
   and ``best_of`` (only ``null`` or ``n``: kvstep samples no extra candidates);
 - ``stop`` (a string or at most 16 strings; needs a tokenizer) and vLLM's
   ``include_stop_str_in_output``; each choice reports vLLM's ``stop_reason``;
@@ -42,11 +42,11 @@ import attrs
 
 from pipeline.config import SamplingParams
 from pipeline.errors import InvalidRequestError
-from pipeline.logs import get_logger
+from pipeline.logger import get_logger
 from pipeline.sampling_params import check_extra_args
 from pipeline.server import fields as f
 from pipeline.server.errors import UnsupportedFieldError, short_value
-from pipeline.server.prompts import MAX_PROMPTS, Prompt, parse_prompts
+from pipeline.server.prompt_field import MAX_PROMPTS, Prompt, parse_prompts
 from pipeline.transfer_params import TRANSFER_PARAMS, check_transfer_params
 
 __all__ = ["CompletionRequest", "SharedFields", "parse_completion_request", "parse_shared_fields"]

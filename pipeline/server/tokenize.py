@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from pipeline.errors import InvalidRequestError
 from pipeline.server.body import read_body
 from pipeline.server.errors import UnsupportedFieldError, error_body
-from pipeline.server.prompt import INLINE_ENCODE_BYTES
+from pipeline.server.prompt_encoder import INLINE_ENCODE_BYTES
 from pipeline.server.reply import json_reply
 
 if TYPE_CHECKING:

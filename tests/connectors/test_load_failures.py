@@ -12,7 +12,7 @@ import pytest
 
 from connectors.offload import OffloadScheduler, OffloadWorker
 from pipeline import LLM, EngineConfig, SamplingParams
-from stages.schedule.hashing import hash_request_tokens
+from pipeline.block_hashes import hash_request_tokens
 
 BS = 16
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

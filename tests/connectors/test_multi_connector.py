@@ -16,7 +16,7 @@ from connectors.multi import MultiScheduler, MultiWorker
 from connectors.offload import OffloadScheduler, OffloadWorker
 from connectors.testing import RecordingConnector, check_lifecycle
 from pipeline import LLM, AsyncEngine, EngineConfig, SamplingParams
-from stages.schedule.hashing import hash_request_tokens
+from pipeline.block_hashes import hash_request_tokens
 
 BS = 16
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

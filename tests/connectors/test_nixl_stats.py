@@ -26,7 +26,7 @@ from connectors.nixl import NixlMetadata, TransferError
 from connectors.nixl.metadata import HeldSend, RemoteRead
 from connectors.nixl.worker import NixlWorker
 from pipeline import LLM, EngineConfig
-from stages.forward.builtin import TINY_CONFIG
+from stages.model.builtin import TINY_CONFIG
 
 # builtin:tiny, float32: K and V of every layer, every KV head, per token.
 TINY_BYTES_PER_TOKEN = (

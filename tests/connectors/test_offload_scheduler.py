@@ -7,11 +7,11 @@ import pytest
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.offload import OffloadMetadata, OffloadScheduler, SlotIndex
 from pipeline.artifacts import FanInOutput, SchedulerOutput
+from pipeline.block_hashes import hash_request_tokens
 from pipeline.config import SamplingParams
 from pipeline.errors import InvalidConfigError
 from pipeline.request import Request
-from stages.schedule import Scheduler, SchedulerSpec
-from stages.schedule.hashing import hash_request_tokens
+from stages.scheduler import Scheduler, SchedulerSettings
 
 BS = 4
 
@@ -32,7 +32,7 @@ def make(
         fingerprint=fp or fingerprint(),
     )
     return Scheduler(
-        SchedulerSpec(
+        SchedulerSettings(
             block_size=BS,
             max_num_seqs=8,
             max_num_batched_tokens=budget,

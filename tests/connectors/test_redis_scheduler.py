@@ -11,9 +11,9 @@ import pytest
 
 from connectors.base import ConnectorContext, KVConnectorRole, ModelFingerprint
 from connectors.redis_store import RedisScheduler, store_key
+from pipeline.block_hashes import hash_request_tokens
 from pipeline.config import SamplingParams
 from pipeline.request import Request
-from stages.schedule.hashing import hash_request_tokens
 
 BS = 4
 

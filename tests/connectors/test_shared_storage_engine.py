@@ -16,7 +16,7 @@ from checkpoints import build_checkpoint
 from connectors.shared_storage import SharedStorageWorker
 from connectors.shared_storage import loader as loader_mod
 from pipeline import LLM, EngineConfig, SamplingParams
-from stages.schedule.hashing import hash_request_tokens
+from pipeline.block_hashes import hash_request_tokens
 
 BS = 16
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline.block_hashes import hash_request_tokens
 from pipeline.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -21,8 +22,7 @@ from pipeline.kv_events import (
     prompt_block_digests,
     prompt_block_hashes,
 )
-from stages.schedule.block_pool import BlockPool
-from stages.schedule.hashing import hash_request_tokens
+from stages.scheduler.block_pool import BlockPool
 
 
 class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -118,7 +118,7 @@ class TestRouterHashing:
         seed=st.integers(-(2**63), 2**63 - 1),
     )
     def test_equals_the_schedulers_hashing(self, tokens, block_size, seed) -> None:
-        """prompt_block_digests is stages.schedule.hashing.hash_request_tokens."""
+        """prompt_block_digests is pipeline.block_hashes.hash_request_tokens."""
         digests = prompt_block_digests(tokens, block_size, hash_seed=seed)
         assert digests == hash_request_tokens(tokens, block_size, hash_seed=seed)
         wire = prompt_block_hashes(tokens, block_size, hash_seed=seed)
@@ -209,6 +209,6 @@ class TestExports:
         names = package.__all__
         assert len(names) == len(set(names))
         assert all(hasattr(package, n) for n in names)
-        for module in ("config", "events", "hashing", "index", "publisher", "sink", "subscriber"):
+        for module in ("config", "events", "index", "publisher", "sink", "subscriber"):
             public = importlib.import_module(f"pipeline.kv_events.{module}").__all__
             assert set(public) <= set(names), module

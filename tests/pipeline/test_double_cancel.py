@@ -20,8 +20,8 @@ from pipeline.executors.worker import Worker
 from pipeline.kernel.context import StepContext
 from pipeline.kernel.stage import Finalizer
 from pipeline.steplog import StepLog
-from stages.forward.runner import ModelRunner
 from stages.graphs import default_worker_graph
+from stages.model.runner import ModelRunner
 
 pytestmark = pytest.mark.anyio
 

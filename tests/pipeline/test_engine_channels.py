@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import AsyncEngine, EngineConfig, SamplingParams
-from stages.schedule_stage import StepLink
+from stages.schedule import StepLink
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -31,8 +31,8 @@ import pytest
 from pipeline import AsyncEngine, EngineConfig, SamplingParams
 from pipeline.config import INLINE_FORWARD_BELOW_S
 from pipeline.errors import InvalidConfigError
-from stages.forward.compute_thread import ComputeThread, InlineCompute
-from stages.forward.runner import ModelRunner
+from stages.model.compute_thread import ComputeThread, InlineCompute
+from stages.model.runner import ModelRunner
 from tests.pipeline.test_async_scheduling import CASES, _config, _run
 
 pytestmark = pytest.mark.timeout(240)
@@ -219,13 +219,13 @@ def test_failed_forward_fails_its_step_only(
 def test_a_bad_bound_is_refused(value: object) -> None:
     """inline_forward_below_s: a number of seconds in [0, 1], never a bool; the engine's
     config and the runner's spec refuse the same values, naming the field."""
-    from stages.forward.spec import RunnerSpec
+    from stages.model.settings import RunnerSettings
 
     with pytest.raises(InvalidConfigError) as info:
         EngineConfig(inline_forward_below_s=value)  # type: ignore[arg-type]
     assert info.value.field == "inline_forward_below_s"
     with pytest.raises(InvalidConfigError) as info:
-        RunnerSpec(model="builtin:tiny", inline_forward_below_s=value)  # type: ignore[arg-type]
+        RunnerSettings(model="builtin:tiny", inline_forward_below_s=value)  # type: ignore[arg-type]
     assert info.value.field == "inline_forward_below_s"
 
 

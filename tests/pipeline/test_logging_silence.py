@@ -22,7 +22,7 @@ import structlog
 from connectors.testing import Fault
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.engine.llm import LLM
-from pipeline.logs import LOGGER_NAME, cli_logging, get_logger
+from pipeline.logger import LOGGER_NAME, cli_logging, get_logger
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,7 +139,7 @@ class TestHostApplications:
     ) -> None:
         """A disabled level costs a check, not a rendering of the fields."""
         logging.getLogger(LOGGER_NAME).setLevel(logging.WARNING)
-        monkeypatch.setattr("pipeline.logs._render", lambda *a: pytest.fail("rendered"))
+        monkeypatch.setattr("pipeline.logger._render", lambda *a: pytest.fail("rendered"))
         try:
             get_logger().info("quiet", value=1)
             get_logger().debug("quieter", value=2)

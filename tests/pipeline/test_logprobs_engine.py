@@ -185,7 +185,7 @@ class TestFailures:
     ) -> None:
         """When scoring one request's rows raises, that request ends with "error";
         the others in the batch, with and without logprobs, finish normally."""
-        from stages.forward import logprobs as module
+        from stages.model import logprobs as module
 
         real = module.token_logprobs
 

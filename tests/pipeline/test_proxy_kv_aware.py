@@ -33,7 +33,7 @@ from pipeline.kv_events import (
 from pipeline.proxy import BackendPool, ProxyMetrics, ProxyOptions, create_proxy_app
 from pipeline.proxy.kv_aware import KVAwareRouter
 from pipeline.tokenizer import load_tokenizer
-from stages.forward.builtin import tokenizer_dir
+from stages.model.builtin import tokenizer_dir
 
 BS = 4
 SEED = 7

@@ -10,8 +10,8 @@ import pytest
 
 from pipeline import LLM, AsyncEngine, EngineConfig, SamplingParams
 from pipeline.request import RequestMetrics, RequestOutput
-from pipeline.steplogs.logtrace import trace_events
-from pipeline.steplogs.logview import load_step_log
+from pipeline.steplog_tools.summary import load_step_log
+from pipeline.steplog_tools.trace import trace_events
 
 
 def _params(n: int) -> SamplingParams:

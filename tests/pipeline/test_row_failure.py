@@ -11,7 +11,7 @@ import torch
 from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.artifacts import WorkerOutput
 from stages.aggregator import FanInAggregator
-from stages.forward.sampling import Sampler
+from stages.model.sampling import Sampler
 
 POISON_SEED = 666
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]

@@ -22,7 +22,7 @@ from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.server import create_app
 from pipeline.server.chat import render_chat
 from pipeline.tokenizer import load_tokenizer
-from stages.forward.builtin import tokenizer_dir
+from stages.model.builtin import tokenizer_dir
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

@@ -23,10 +23,10 @@ from pipeline import AsyncEngine, EngineConfig, SamplingParams
 from pipeline.engine.async_engine import RequestStream
 from pipeline.errors import EngineDeadError
 from pipeline.server import ServerOptions, create_app
-from pipeline.server.prompts import MAX_PROMPTS
+from pipeline.server.prompt_field import MAX_PROMPTS
 from pipeline.server.tokenize import MAX_DETOKENIZE_TOKENS
 from pipeline.tokenizer import load_tokenizer
-from stages.forward.builtin import tokenizer_dir
+from stages.model.builtin import tokenizer_dir
 
 MAX_MODEL_LEN = 128
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]

@@ -24,7 +24,7 @@ from pipeline.server import create_app
 from pipeline.server.choices import Choice, usage
 from pipeline.server.logprobs_format import TokenTexts, chat_logprobs, prompt_logprobs_json
 from pipeline.tokenizer import load_tokenizer
-from stages.forward.builtin import tokenizer_dir
+from stages.model.builtin import tokenizer_dir
 
 PROMPT = "hello world"
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import LLM, EngineConfig, SamplingParams
-from stages.forward.shm_allreduce import available
+from stages.model.shm_allreduce import available
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[(7 * i + 3) % 250 + 1 for i in range(40)], [5, 9, 11, 200, 31, 17, 3]]

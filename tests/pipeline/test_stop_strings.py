@@ -20,7 +20,7 @@ from pipeline.engine import output_text
 from pipeline.engine.output_text import OutputText, TextTracker, TextUpdate, find_stop, held_back
 from pipeline.request import RequestOutput
 from pipeline.tokenizer import Tokenizer, load_tokenizer
-from stages.forward.builtin import tokenizer_dir
+from stages.model.builtin import tokenizer_dir
 
 TEXT = "Hello there, how are you today? The quick brown fox jumps over the lazy dog."
 

@@ -70,7 +70,7 @@ class TestTextPrompts:
 
     def test_builtin_tiny_takes_text_out_of_the_box(self) -> None:
         """builtin:tiny carries a tokenizer: a text prompt generates what its ids do."""
-        from stages.forward.builtin import tokenizer_dir
+        from stages.model.builtin import tokenizer_dir
 
         tok = load_tokenizer(tokenizer_dir("builtin:tiny"))
         assert tok is not None

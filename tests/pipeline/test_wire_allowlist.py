@@ -12,8 +12,8 @@ from connectors.testing import RecordingMetadata
 from pipeline.artifacts import SchedulerOutput
 from pipeline.errors import TransportError
 from pipeline.executors import wire
+from pipeline.executors.remote_worker import connector_metadata_types
 from pipeline.executors.wire_checks import metadata_types
-from pipeline.executors.worker_steps import connector_metadata_types
 
 
 def _step(metadata_type: str, data: bytes = b"") -> wire.Step:
@@ -99,7 +99,7 @@ class TestWorkerRefusal:
         """Finding 16: a step naming a class outside the list fails, non-fatally."""
         from types import SimpleNamespace
 
-        from pipeline.executors.worker_steps import Records, run_step
+        from pipeline.executors.remote_worker import Records, run_step
 
         worker: Any = SimpleNamespace(rank=0, connector=None, runner=None)
         reply = await run_step(worker, _step("os:system"), Records(), 5.0, {})

@@ -18,8 +18,8 @@ from connectors.testing import RecordingConnector
 from pipeline.artifacts import MetadataBound, ModelOutput, SchedulerOutput
 from pipeline.errors import StageError
 from pipeline.executors import wire
+from pipeline.executors.remote_worker import Records, breaks_group, collective_stages, run_step
 from pipeline.executors.worker import Worker
-from pipeline.executors.worker_steps import Records, breaks_group, collective_stages, run_step
 from pipeline.kernel.context import StepContext
 from pipeline.kernel.graph import StepGraph
 from pipeline.kernel.report import StageRecord, StepReport
@@ -27,7 +27,7 @@ from pipeline.kernel.stage import is_collective
 from pipeline.steplog import StepLog
 from stages.bind import BindStage
 from stages.drop_finished import DropFinishedStage
-from stages.forward.stage import ForwardStage
+from stages.forward import ForwardStage
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import pytest
 from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput, WorkerOutput
 from pipeline.executors import wire
-from pipeline.executors.worker_steps import Records, answer, encode_reply
+from pipeline.executors.remote_worker import Records, answer, encode_reply
 from pipeline.kernel.report import StepReport
 
 PROMPT = [3, 1, 4, 1, 5, 9]

@@ -9,7 +9,7 @@ from connectors.base import KVConnectorScheduler
 from pipeline.artifacts import FanInOutput, ScheduledRequest, SchedulerOutput
 from pipeline.config import SamplingParams
 from pipeline.request import Request, RequestOutput
-from stages.schedule import Scheduler, SchedulerSpec
+from stages.scheduler import Scheduler, SchedulerSettings
 
 
 class Step(NamedTuple):
@@ -32,7 +32,7 @@ def make_scheduler(
         "max_model_len": 256,
     }
     options.update(overrides)
-    return Scheduler(SchedulerSpec(**options), num_blocks=num_blocks, connector=connector)
+    return Scheduler(SchedulerSettings(**options), num_blocks=num_blocks, connector=connector)
 
 
 def add(scheduler: Scheduler, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:

@@ -28,8 +28,9 @@ from stages.execute import ExecuteStage, answered_outputs
 from stages.fail_step import FailStepStage
 from stages.fan_in import FanInStage
 from stages.graphs import default_engine_graph, default_worker_graph
-from stages.schedule.scheduler import Scheduler
-from stages.schedule_stage import ScheduleStage, UpdateStage
+from stages.schedule import ScheduleStage
+from stages.scheduler.scheduler import Scheduler
+from stages.update import UpdateStage
 
 
 def answer(rank: int, step: int, **fields: Any) -> Any:

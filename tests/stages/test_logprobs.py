@@ -14,10 +14,10 @@ from pipeline.errors import InvalidRequestError
 from pipeline.logprobs import TokenLogprob
 from pipeline.request import Request, RequestOutput
 from stages.aggregator import FanInAggregator
-from stages.forward.inputs import RequestStates
-from stages.forward.logprobs import LogprobRequest, request_logprobs, token_logprobs
-from stages.schedule import Scheduler
-from stages.schedule.update import _record_logprobs
+from stages.model.inputs import RequestStates
+from stages.model.logprobs import LogprobRequest, request_logprobs, token_logprobs
+from stages.scheduler import Scheduler
+from stages.scheduler.apply_output import _record_logprobs
 
 VOCAB = 50
 

@@ -14,7 +14,7 @@ from pipeline.errors import GraphError
 from pipeline.kernel.context import StepContext
 from stages.aggregator import FanInAggregator
 from stages.graphs import default_engine_graph
-from stages.schedule_stage import ScheduleStage, StepLink
+from stages.schedule import ScheduleStage, StepLink
 
 
 class TestTheLinkIsInTheGraph:

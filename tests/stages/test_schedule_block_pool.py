@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.block_hashes import BlockHasher
 from pipeline.config import SamplingParams
 from pipeline.errors import InvalidConfigError
 from pipeline.request import Request
-from stages.schedule.block_pool import BlockPool
-from stages.schedule.hashing import BlockHasher
-from stages.schedule.kv_manager import MAX_UNAPPLIED_STEPS, KVCacheManager
+from stages.scheduler.block_pool import BlockPool
+from stages.scheduler.kv_manager import MAX_UNAPPLIED_STEPS, KVCacheManager
 
 
 def _hash(i: int) -> bytes:

@@ -21,7 +21,7 @@ from connectors.base import (
 from pipeline.artifacts import FanInOutput, SchedulerOutput
 from pipeline.config import SamplingParams
 from pipeline.request import Request, RequestOutput, RequestStatus
-from stages.schedule import Scheduler, SchedulerSpec
+from stages.scheduler import Scheduler, SchedulerSettings
 
 
 @attrs.frozen
@@ -76,7 +76,7 @@ def make(connector: FakeConnector, *, num_blocks: int = 32, **overrides: Any) ->
         "max_model_len": 128,
     }
     options.update(overrides)
-    return Scheduler(SchedulerSpec(**options), num_blocks=num_blocks, connector=connector)
+    return Scheduler(SchedulerSettings(**options), num_blocks=num_blocks, connector=connector)
 
 
 def add(scheduler: Scheduler, req_id: str, prompt: list[int], max_tokens: int = 2) -> Request:

@@ -11,7 +11,7 @@ from pipeline.artifacts import FanInOutput, SchedulerOutput
 from pipeline.config import SamplingParams
 from pipeline.logprobs import TokenLogprob
 from pipeline.request import Request, RequestOutput
-from stages.schedule import Scheduler
+from stages.scheduler import Scheduler
 
 
 def apply(

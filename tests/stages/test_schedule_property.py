@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 from pipeline.artifacts import FanInOutput, SchedulerOutput
 from pipeline.config import SamplingParams
 from pipeline.request import Request, RequestOutput
-from stages.schedule import Scheduler, SchedulerSpec
+from stages.scheduler import Scheduler, SchedulerSettings
 
 BASES = ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5])
 STOP_TOKEN = 17
@@ -73,7 +73,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.max_num_seqs = max_num_seqs
         self.max_len = min(40, num_blocks * block_size)
         self.scheduler = Scheduler(
-            SchedulerSpec(
+            SchedulerSettings(
                 block_size=block_size,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=budget,

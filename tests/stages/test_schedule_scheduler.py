@@ -11,12 +11,12 @@ from schedule_driver import (
     step,
 )
 
-import stages.schedule as schedule_pkg
+import stages.scheduler as schedule_pkg
 from pipeline.artifacts import ScheduledRequest
 from pipeline.config import EngineConfig
 from pipeline.errors import InvalidConfigError, InvalidRequestError
 from pipeline.request import RequestStatus
-from stages.schedule import Scheduler
+from stages.scheduler import Scheduler
 
 
 class TestConstruction:

@@ -1,0 +1,253 @@
+"""The building blocks of a Llama-family decoder layer, with Hugging Face parameter names.
+
+Every module works on a flat batch ``[T, ...]`` of tokens from several requests; the
+per-request structure lives in :class:`~stages.model.attention.AttentionMetadata`.
+Built with a sharded :class:`~stages.model.parallel.TensorParallel`, attention and MLP
+hold this rank's slice (see :mod:`stages.model.parallel`); parameter names stay HF's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from stages.model.attention import AttentionMetadata, paged_attention
+from stages.model.config import ModelConfig
+from stages.model.parallel import TensorParallel, row_parallel_linear
+from stages.model.rope import CosSin, apply_rotary
+
+__all__ = [
+    "MLP",
+    "Attention",
+    "AttentionRefs",
+    "DecoderLayer",
+    "LayerHooks",
+    "MLPRefs",
+    "Projection",
+    "RMSNorm",
+    "attend",
+    "rms_norm",
+    "swiglu",
+]
+
+
+class LayerHooks(Protocol):
+    """Callbacks around each layer's attention, called on the forward thread.
+
+    ``before_attention(i)`` runs before layer ``i`` reads its KV cache (a connector waits
+    for that layer's load there); ``after_attention(i)`` runs once layer ``i``'s new K/V
+    is in the cache and its attention is computed (a connector starts saving there).
+    Both must be thread-safe and should not block longer than the I/O they wait for.
+    """
+
+    def before_attention(self, layer: int) -> None: ...
+
+    def after_attention(self, layer: int) -> None: ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square norm of the last dimension, computed in float32."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as Hugging Face Llama does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+_ASSIGNMENTS = [0]
+"""Parameters assigned to any module of this process so far (a parameter's
+registration, which setting ``module.weight = Parameter(...)`` or
+``load_state_dict(assign=True)`` does): a change tells each layer to take its
+references again."""
+
+
+def _count_assignment(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    _ASSIGNMENTS[0] += 1
+
+
+register_module_parameter_registration_hook(_count_assignment)
+
+
+def assignments() -> int:
+    """Parameters assigned in this process so far: what cached parameter references
+    (a layer's, a captured graph's) compare to know they are still current."""
+    return _ASSIGNMENTS[0]
+
+
+Projection = tuple[torch.Tensor, torch.Tensor | None] | nn.Module
+"""A plain ``nn.Linear``'s ``(weight, bias)``, or a linear module that must be called
+(a row-parallel one all-reduces its output)."""
+
+
+def _projection(module: nn.Module) -> Projection:
+    return (module.weight, module.bias) if type(module) is nn.Linear else module
+
+
+def _project(p: Projection, x: torch.Tensor) -> torch.Tensor:
+    if type(p) is tuple:
+        return F.linear(x, p[0], p[1])
+    out: torch.Tensor = p(x)  # type: ignore[operator]
+    return out
+
+
+AttentionRefs = tuple[Projection, Projection, Projection, Projection, int, int, int, float, int]
+"""q, k, v and o projections, heads, KV heads, head width, scale, layer index."""
+
+MLPRefs = tuple[Projection, Projection, Projection]
+"""gate, up and down projections."""
+
+
+def attend(
+    refs: AttentionRefs,
+    x: torch.Tensor,
+    rope: CosSin,
+    meta: AttentionMetadata,
+    kv_cache: torch.Tensor,
+    hooks: LayerHooks | None,
+) -> torch.Tensor:
+    """Self-attention of ``x [T, hidden]`` over the paged KV cache (its new K/V written)."""
+    q_p, k_p, v_p, o_p, heads, kv_heads, head_dim, scale, layer = refs
+    t = x.shape[0]
+    q = apply_rotary(_project(q_p, x).view(t, heads, head_dim), *rope)
+    k = apply_rotary(_project(k_p, x).view(t, kv_heads, head_dim), *rope)
+    v = _project(v_p, x).view(t, kv_heads, head_dim)
+    if hooks is not None:
+        hooks.before_attention(layer)
+    o = paged_attention(q, k, v, kv_cache, meta, scale)
+    if hooks is not None:
+        hooks.after_attention(layer)
+    return _project(o_p, o.view(t, heads * head_dim))
+
+
+def swiglu(refs: MLPRefs, x: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``."""
+    gate_p, up_p, down_p = refs
+    return _project(down_p, F.silu(_project(gate_p, x)) * _project(up_p, x))
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache.
+
+    ``num_heads`` and ``num_kv_heads`` are this rank's: the model's counts divided by
+    ``tp.size`` (the caller checked divisibility). q/k/v are column-split by heads,
+    ``o_proj`` is row-split and all-reduces its output.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp.size)  # >= 1: replicated
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden, hd = config.hidden_size, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = row_parallel_linear(
+            self.num_heads * hd, hidden, bias=config.o_proj_bias, tp=tp
+        )
+
+    def refs(self) -> AttentionRefs:
+        """The tensors and sizes :func:`attend` reads."""
+        return (_projection(self.q_proj), _projection(self.k_proj), _projection(self.v_proj),
+                _projection(self.o_proj), self.num_heads, self.num_kv_heads, self.head_dim,
+                self.scale, self.layer)  # fmt: skip
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: CosSin,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        hooks: LayerHooks | None,
+    ) -> torch.Tensor:
+        return attend(self.refs(), x, rope, meta, kv_cache, hooks)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``.
+
+    Sharded: gate/up hold ``intermediate_size // tp.size`` output channels, ``down_proj``
+    the matching input columns and all-reduces its output.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        hidden, bias = config.hidden_size, config.mlp_bias
+        inter = config.intermediate_size // tp.size
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = row_parallel_linear(inter, hidden, bias=bias, tp=tp)
+
+    def refs(self) -> MLPRefs:
+        """The projections :func:`swiglu` reads."""
+        return _projection(self.gate_proj), _projection(self.up_proj), _projection(self.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(self.refs(), x)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections.
+
+    :meth:`forward` reads the layer's tensors from a tuple of references (to the
+    parameters themselves, not copies), instead of calling eight submodules:
+    ``nn.Module`` dispatch and attribute lookups cost more than a small decode step's
+    matmuls. It runs the same functions as the submodules' own ``forward``
+    (:func:`attend`, :func:`swiglu`, :func:`rms_norm`). The references
+    are taken again after any parameter of the process was assigned
+    (``module.weight = Parameter(...)``, ``load_state_dict(assign=True)``) and after
+    ``.to()``-style conversions (:meth:`_apply`); in-place changes (``.data``,
+    ``copy_``, ``load_state_dict``) reach them directly.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer, tp)
+        self.mlp = MLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._refs_cache: tuple[int, tuple[Any, ...]] | None = None
+
+    def _refs(self) -> tuple[Any, ...]:
+        cache = self._refs_cache
+        if cache is not None and cache[0] == _ASSIGNMENTS[0]:
+            return cache[1]
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        refs = (norm.weight, norm.eps, self.self_attn.refs(), post.weight, post.eps,
+                self.mlp.refs())  # fmt: skip
+        self._refs_cache = (_ASSIGNMENTS[0], refs)
+        return refs
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DecoderLayer:
+        self._refs_cache = None  # a conversion may put new parameters in place
+        return super()._apply(fn, recurse)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: CosSin,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        hooks: LayerHooks | None,
+    ) -> torch.Tensor:
+        norm_w, norm_eps, attn, post_w, post_eps, mlp = self._refs()
+        x = x + attend(attn, rms_norm(x, norm_w, norm_eps), rope, meta, kv_cache, hooks)
+        return x + swiglu(mlp, rms_norm(x, post_w, post_eps))

@@ -1,0 +1,155 @@
+"""Rotary position embeddings: inverse frequencies per rope type and a cos/sin table.
+
+The frequencies follow transformers' ``modeling_rope_utils`` exactly for ``default``,
+``linear``, ``llama3`` and ``yarn`` (including yarn's attention scaling of cos/sin).
+``dynamic`` (NTK) differs in one documented way: transformers rescales the base from
+the length of the *current* forward call, which a paged KV cache cannot follow (cached
+keys are already rotated). kvstep uses the unscaled frequencies when ``max_model_len``
+fits in ``max_position_embeddings`` (identical to transformers there) and otherwise one
+fixed base computed for ``max_model_len``, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from stages.model.config import ModelConfig, RopeConfig
+
+__all__ = ["CosSin", "RopeFrequencies", "RotaryEmbedding", "apply_rotary", "compute_inv_freq"]
+
+
+class CosSin(NamedTuple):
+    """Per-token rotation factors, each ``[T, 1, head_dim]`` in the activations' dtype."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class RopeFrequencies(NamedTuple):
+    """Inverse frequencies ``[head_dim // 2]`` (float32) and the cos/sin scaling."""
+
+    inv_freq: torch.Tensor
+    attention_scaling: float
+
+
+def _base_inv_freq(base: float, dim: int, device: torch.device | None) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return 1.0 / (base**exponents)
+
+
+def compute_inv_freq(
+    config: ModelConfig, max_model_len: int, device: torch.device | None = None
+) -> RopeFrequencies:
+    """The inverse frequencies and attention scaling of ``config.rope``.
+
+    Pure function; safe to call from any thread.
+    """
+    rope = config.rope
+    dim = config.head_dim
+    base = rope.theta
+    if rope.rope_type == "default":
+        return RopeFrequencies(_base_inv_freq(base, dim, device), 1.0)
+    factor = float(rope.get("factor"))
+    if rope.rope_type == "linear":
+        return RopeFrequencies(_base_inv_freq(base, dim, device) / factor, 1.0)
+    if rope.rope_type == "dynamic":
+        seq_len = max(max_model_len, config.max_position_embeddings)
+        scaled = (factor * seq_len / config.max_position_embeddings) - (factor - 1)
+        return RopeFrequencies(_base_inv_freq(base * scaled ** (dim / (dim - 2)), dim, device), 1.0)
+    if rope.rope_type == "llama3":
+        return RopeFrequencies(_llama3(rope, base=base, dim=dim, device=device), 1.0)
+    return _yarn(config, base=base, dim=dim, factor=factor, device=device)
+
+
+def _llama3(
+    rope: RopeConfig, *, base: float, dim: int, device: torch.device | None
+) -> torch.Tensor:
+    get = rope.get
+    inv_freq = _base_inv_freq(base, dim, device)
+    factor = float(get("factor"))
+    low_freq_factor = float(get("low_freq_factor", 1.0))
+    high_freq_factor = float(get("high_freq_factor", 4.0))
+    old_context_len = float(get("original_max_position_embeddings"))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(
+    config: ModelConfig, *, base: float, dim: int, factor: float, device: torch.device | None
+) -> RopeFrequencies:
+    get = config.rope.get
+    original = float(get("original_max_position_embeddings"))
+    attention_factor = get("attention_factor")
+    mscale, mscale_all_dim = get("mscale"), get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = float(get("beta_fast") or 32)
+    beta_slow = float(get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_factor = (1 - ramp).to(device=device)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (
+        1.0 / pos_freqs
+    ) * extrapolation_factor
+    return RopeFrequencies(inv_freq, float(attention_factor))
+
+
+class RotaryEmbedding(nn.Module):
+    """A precomputed cos/sin table for positions ``[0, max_len)``, applied by lookup.
+
+    Rotation is the "rotate half" (non-interleaved) layout of Hugging Face Llama. The
+    table is a non-persistent float32 buffer; lookups cast to the activations' dtype.
+    """
+
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
+    def __init__(self, config: ModelConfig, max_len: int, device: torch.device) -> None:
+        super().__init__()
+        freqs = compute_inv_freq(config, max_len, device=device)
+        positions = torch.arange(max_len, device=device, dtype=torch.float32)
+        angles = positions[:, None] * freqs.inv_freq[None, :].float()
+        emb = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * freqs.attention_scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * freqs.attention_scaling, persistent=False)
+        self.max_len = max_len
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
+        """The rotation factors of ``positions [T]`` (each must be ``< max_len``)."""
+        cos = self.cos_cache.index_select(0, positions).to(dtype)[:, None, :]
+        sin = self.sin_cache.index_select(0, positions).to(dtype)[:, None, :]
+        return CosSin(cos, sin)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by the per-token ``cos``/``sin`` ``[T, 1, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

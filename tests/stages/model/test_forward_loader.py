@@ -1,0 +1,228 @@
+"""Loading HF checkpoints: config parsing, strict weights, sharding, identity."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.errors import ModelLoadError
+from stages.model import ModelConfig, load_model, load_model_config
+from stages.model.checkpoint import weights_identity
+
+CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parents[3]
+
+HFGet = Callable[[str], tuple[Any, Path]]
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _llama_dict(**extra: object) -> dict[str, object]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        **extra,
+    }
+
+
+class TestModelConfig:
+    def test_defaults_and_derived_fields(self) -> None:
+        """head_dim defaults to hidden/heads and kv heads to heads; one eos id."""
+        cfg = ModelConfig.from_hf_dict(_llama_dict(eos_token_id=2))
+        assert (cfg.head_dim, cfg.num_key_value_heads) == (8, 2)
+        assert cfg.eos_token_ids == (2,)
+        assert cfg.rope.rope_type == "default"
+
+    def test_eos_list(self) -> None:
+        """A list of eos ids is kept; eos_token_id is the first."""
+        cfg = ModelConfig.from_hf_dict(_llama_dict(eos_token_id=[5, 7]))
+        assert cfg.eos_token_ids == (5, 7)
+        assert cfg.eos_token_id == 5
+
+    def test_legacy_rope_scaling_layout(self) -> None:
+        """transformers 4's rope_theta + rope_scaling{type} is understood."""
+        cfg = ModelConfig.from_hf_dict(
+            _llama_dict(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 4.0})
+        )
+        assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rope.get("factor")) == (
+            "linear",
+            5e5,
+            4.0,
+        )
+
+    def test_rope_parameters_layout(self) -> None:
+        """transformers 5's rope_parameters is understood."""
+        cfg = ModelConfig.from_hf_dict(
+            _llama_dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+        )
+        assert cfg.rope.rope_type == "yarn"
+        assert cfg.rope.get("original_max_position_embeddings") == 4096
+
+    def test_unsupported_rope_type(self) -> None:
+        """An unknown rope type is refused, naming the supported ones."""
+        with pytest.raises(ModelLoadError, match=r"longrope.*supported: default"):
+            ModelConfig.from_hf_dict(_llama_dict(rope_scaling={"rope_type": "longrope"}))
+
+    def test_qwen2_has_qkv_bias(self) -> None:
+        """Qwen2 always has q/k/v bias and no o_proj bias."""
+        cfg = ModelConfig.from_hf_dict(_llama_dict(architectures=["Qwen2ForCausalLM"]))
+        assert cfg.attention_bias and not cfg.o_proj_bias
+
+    def test_unknown_architecture(self, tmp_path: Path) -> None:
+        """An unsupported architecture names the path and the supported list."""
+        (tmp_path / "config.json").write_text(
+            json.dumps(_llama_dict(architectures=["GPT2LMHeadModel"]))
+        )
+        with pytest.raises(ModelLoadError, match=r"GPT2LMHeadModel.*LlamaForCausalLM") as info:
+            load_model_config(tmp_path)
+        assert info.value.path == tmp_path
+
+    def test_missing_config_json(self, tmp_path: Path) -> None:
+        """A directory without config.json is refused, naming the directory."""
+        with pytest.raises(ModelLoadError, match=r"config\.json") as info:
+            load_model_config(tmp_path)
+        assert str(tmp_path) in str(info.value)
+
+    def test_missing_directory(self, tmp_path: Path) -> None:
+        """A path that does not exist is refused."""
+        with pytest.raises(ModelLoadError, match="no such directory"):
+            load_model_config(tmp_path / "nope")
+
+    def test_sliding_window_shorter_than_context(self) -> None:
+        """A sliding window below max_model_len is refused as unsupported."""
+        cfg = ModelConfig.from_hf_dict(
+            _llama_dict(architectures=["MistralForCausalLM"], sliding_window=128)
+        )
+        cfg.check_max_model_len(128, "m")
+        with pytest.raises(ModelLoadError, match=r"sliding_window=128.*unsupported"):
+            cfg.check_max_model_len(129, "m")
+
+
+class TestLoadModel:
+    def test_loads_in_requested_dtype(self, hf_checkpoint: HFGet) -> None:
+        """Weights are converted to the requested dtype and match the checkpoint."""
+        hf_model, path = hf_checkpoint("llama_gqa")
+        loaded = load_model(path, dtype=torch.bfloat16, device=CPU, max_len=64)
+        q = loaded.model.get_parameter("model.layers.0.self_attn.q_proj.weight")
+        assert q.dtype == torch.bfloat16
+        ref = hf_model.model.layers[0].self_attn.q_proj.weight
+        assert torch.equal(q, ref.to(torch.bfloat16))
+
+    def test_tied_embeddings_share_storage(self, hf_checkpoint: HFGet) -> None:
+        """With tie_word_embeddings, lm_head is the embedding matrix."""
+        _, path = hf_checkpoint("llama_tied")
+        model = load_model(path, dtype=torch.float32, device=CPU, max_len=64).model
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    def test_fresh_load_does_not_import_dynamo(self, hf_checkpoint: HFGet) -> None:
+        """Building the meta model skips the embedding's random init, which on the meta
+        device imports ``torch._dynamo`` (over a second in every worker process)."""
+        _, path = hf_checkpoint("llama_gqa")
+        code = (
+            "import sys, torch\n"
+            "if 'torch._dynamo' in sys.modules: sys.exit(3)\n"
+            "from stages.model import load_model\n"
+            f"load_model({str(path)!r}, dtype=torch.float32, device=torch.device('cpu'), "
+            "max_len=64)\n"
+            "sys.exit(int('torch._dynamo' in sys.modules))\n"
+        )
+        pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": pythonpath},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if proc.returncode == 3:
+            pytest.skip("this torch imports torch._dynamo on import")
+        assert proc.returncode == 0, proc.stderr
+
+    def test_missing_weight(self, hf_checkpoint: HFGet, tmp_path: Path) -> None:
+        """A missing weight is a ModelLoadError naming the key and the path."""
+        path = _copy(hf_checkpoint("llama_gqa")[1], tmp_path / "m")
+        state = load_file(path / "model.safetensors")
+        del state["model.layers.1.mlp.up_proj.weight"]
+        save_file(state, path / "model.safetensors")
+        with pytest.raises(ModelLoadError, match=r"missing weights: model\.layers\.1\.mlp\.up"):
+            load_model(path, dtype=torch.float32, device=CPU, max_len=64)
+
+    def test_unexpected_weight(self, hf_checkpoint: HFGet, tmp_path: Path) -> None:
+        """An extra weight is refused, naming it."""
+        path = _copy(hf_checkpoint("llama_gqa")[1], tmp_path / "m")
+        state = load_file(path / "model.safetensors")
+        state["model.extra.weight"] = torch.zeros(2)
+        save_file(state, path / "model.safetensors")
+        with pytest.raises(ModelLoadError, match=r"unexpected weights: model\.extra\.weight"):
+            load_model(path, dtype=torch.float32, device=CPU, max_len=64)
+
+    def test_shape_mismatch(self, hf_checkpoint: HFGet, tmp_path: Path) -> None:
+        """A weight of the wrong shape is refused with both shapes."""
+        path = _copy(hf_checkpoint("llama_gqa")[1], tmp_path / "m")
+        state = load_file(path / "model.safetensors")
+        state["model.norm.weight"] = torch.ones(3)
+        save_file(state, path / "model.safetensors")
+        with pytest.raises(ModelLoadError, match=r"model\.norm\.weight.*\(3,\).*\(64,\)"):
+            load_model(path, dtype=torch.float32, device=CPU, max_len=64)
+
+    def test_no_weight_files(self, hf_checkpoint: HFGet, tmp_path: Path) -> None:
+        """A directory with a config but no safetensors is refused."""
+        path = tmp_path / "m"
+        path.mkdir()
+        shutil.copy(hf_checkpoint("llama_gqa")[1] / "config.json", path)
+        with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+            load_model(path, dtype=torch.float32, device=CPU, max_len=64)
+
+    def test_sharded_checkpoint(self, hf_checkpoint: HFGet, tmp_path: Path) -> None:
+        """A sharded checkpoint (index + shards) loads the same weights."""
+        hf_model, single = hf_checkpoint("llama_gqa")
+        sharded = tmp_path / "sharded"
+        hf_model.save_pretrained(sharded, max_shard_size="100KB")
+        assert (sharded / "model.safetensors.index.json").is_file()
+        assert len(list(sharded.glob("*.safetensors"))) > 1
+        a = load_model(single, dtype=torch.float32, device=CPU, max_len=64).model
+        b = load_model(sharded, dtype=torch.float32, device=CPU, max_len=64).model
+        for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+            assert torch.equal(pa, pb), name
+
+    def test_weights_identity(self, hf_checkpoint: HFGet, tmp_path: Path) -> None:
+        """The weights id is stable for equal files and changes with the weights."""
+        _, path = hf_checkpoint("llama_gqa")
+        files = [path / "model.safetensors"]
+        copy = _copy(path, tmp_path / "copy")
+        assert weights_identity(path, files) == weights_identity(copy, [copy / files[0].name])
+        state = load_file(copy / "model.safetensors")
+        state["model.norm.weight"] = state["model.norm.weight"] + 1
+        save_file(state, copy / "model.safetensors")
+        assert weights_identity(path, files) != weights_identity(copy, [copy / files[0].name])
+
+    def test_weights_identity_of_large_files(self, tmp_path: Path) -> None:
+        """Files over 1 MiB are identified by header and sampled data, still by content."""
+        weights = torch.arange(1 << 20, dtype=torch.float32)
+        ids = []
+        for name, tensor in (("a", weights), ("b", weights), ("c", weights * 0.5)):
+            directory = tmp_path / name
+            directory.mkdir()
+            (directory / "config.json").write_text("{}")
+            save_file({"w": tensor}, directory / "model.safetensors")
+            ids.append(weights_identity(directory, [directory / "model.safetensors"]))
+        assert ids[0] == ids[1]
+        assert ids[0] != ids[2]
