@@ -256,7 +256,9 @@ class TestExecute:
         step = _step(0, _req("a", [5, 6, 7], blocks=(0,)), _req("b", [8], blocks=(1,)))
         out = runner.execute(step)
         tokens = runner.sample(step, out).token_ids
-        assert tokens == {r: (t,) for r, t in zip(out.req_ids, out.logits.argmax(-1).tolist())}
+        assert tokens == {
+            r: (t,) for r, t in zip(out.req_ids, out.logits.argmax(-1).tolist(), strict=True)
+        }
 
     def test_close(self, llama_dir: Path) -> None:
         """close() is idempotent; executing afterwards raises StageError."""
