@@ -9,8 +9,9 @@ values that msgspec encodes without pickle.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -56,8 +57,11 @@ def _token_sequences(value: Mapping[str, int | Sequence[int]]) -> dict[str, Toke
     Raises:
         TypeError: An entry is neither an ``int`` nor a tuple or list of them.
     """
-    if all(type(v) is tuple for v in value.values()):
-        return cast("dict[str, TokenIds]", value if type(value) is dict else dict(value))
+    for tokens in value.values():  # a loop, not all(genexpr): this runs thrice a step
+        if type(tokens) is not tuple:
+            break
+    else:
+        return value if type(value) is dict else dict(value)  # type: ignore[arg-type]
     out: dict[str, TokenIds] = {}
     for req_id, tokens in value.items():
         if type(tokens) is tuple:
@@ -83,9 +87,11 @@ def _logprob_sequences(
     Raises:
         TypeError: An entry is neither a ``TokenLogprob`` nor a tuple or list of them.
     """
-    if all(type(v) is tuple for v in value.values()):
-        done = value if type(value) is dict else dict(value)
-        return cast("dict[str, tuple[TokenLogprob, ...]]", done)
+    for entries in value.values():
+        if type(entries) is not tuple:
+            break
+    else:
+        return value if type(value) is dict else dict(value)  # type: ignore[arg-type]
     out: dict[str, tuple[TokenLogprob, ...]] = {}
     for req_id, entries in value.items():
         if type(entries) is tuple:
@@ -179,9 +185,10 @@ class SchedulerOutput:
     finished_req_ids: frozenset[str] = frozenset()
     kv_connector_metadata: Any = None
 
-    @property
+    @functools.cached_property
     def total_num_scheduled_tokens(self) -> int:
-        """Tokens the step computes over every request, drafts included (the budget)."""
+        """Tokens the step computes over every request, drafts included (the budget);
+        computed once (several stages of a step read it)."""
         return sum(len(r.token_ids) + len(r.draft_token_ids) for r in self.requests)
 
     @property

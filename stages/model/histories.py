@@ -52,8 +52,8 @@ class TokenHistories:
         histories = [get(r.req_id, empty) for r in scheduled]
         outputs = [r.num_output_tokens for r in scheduled]
         return LogitsBatch(
-            req_ids=tuple(r.req_id for r in scheduled),
-            params=tuple(r.sampling for r in scheduled),
+            req_ids=tuple([r.req_id for r in scheduled]),  # a list first: one call, not n
+            params=tuple([r.sampling for r in scheduled]),
             output_token_ids=TokenColumn(histories, outputs, "output"),
             prompt_token_ids=TokenColumn(histories, outputs, "prompt"),
         )
