@@ -20,6 +20,7 @@ import msgspec
 from pipeline.checks import INT64_MAX, INT64_MIN, check_float, check_int
 from pipeline.errors import InvalidRequestError, short_repr
 from pipeline.logprobs import MAX_LOGPROBS
+from pipeline.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LOGIT_BIAS_LIMIT",
@@ -358,6 +359,11 @@ class SamplingParams:
             :data:`MAX_EXTRA_ARGS_BYTES` bytes of JSON). Stored read-only
             (:class:`ExtraArgs`: lists become tuples); ``repr`` shows its first items.
             kvstep's own stages never read it.
+        structured_outputs: ``None`` or a
+            :class:`~pipeline.structured_outputs.StructuredOutputsParams`: the output must
+            match its JSON schema, regex, choice or grammar (the ``structured`` logits
+            stage masks every other token). Compiled before the request is scheduled;
+            a spec that does not compile fails the request alone.
 
     Logprobs follow vLLM V1's default: ``log_softmax`` of the model's **raw** logits,
     in float32, before ``logit_bias``, the penalties, temperature, ``min_p``, top-k
@@ -393,6 +399,7 @@ class SamplingParams:
     extra_args: Mapping[str, Any] = attrs.field(
         default=_EMPTY_EXTRA_ARGS, converter=_extra_args, repr=_extra_args_repr
     )
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __attrs_post_init__(self) -> None:
         error = InvalidRequestError
@@ -445,6 +452,14 @@ class SamplingParams:
             raise error("stop_token_ids", self.stop_token_ids, "must be a set of token ids")
         if type(self.extra_args) is not ExtraArgs:  # decoded, not converted
             normalised["extra_args"] = check_extra_args(self.extra_args)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise error(
+                "structured_outputs",
+                self.structured_outputs,
+                "must be a StructuredOutputsParams (or None)",
+            )
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
 
