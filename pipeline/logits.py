@@ -192,7 +192,10 @@ class Logits:
         ``apply`` gets the whole batch first. If it raises (or returns something that is
         not a tensor of the same shape), it is called again on each row that has not
         failed yet, alone, and the rows that still fail are added to :attr:`failed`
-        (their logits are kept as they were). Blocks: runs on the compute thread.
+        (their logits are kept as they were). A stage that changes ``logits`` in place
+        and then raises leaves those changes in the rows it is then called on again
+        alone (no copy is made on the common path, where nothing raises): write a stage
+        that checks before it writes. Blocks: runs on the compute thread.
         """
         tensor = self.tensor
         if tensor is None or not len(self.batch):
