@@ -1,11 +1,13 @@
 """The logits seam: the step's logits between ``forward`` and ``sample``, and the stages
 that change them.
 
-The default worker graph is ``… → forward → logits → sample → …``: ``forward`` provides
-the model's raw logits (:class:`~pipeline.artifacts.ModelOutput`), the built-in ``logits``
-stage turns them into a :class:`Logits` artifact with the built-in adjustments applied
-(``min_tokens``, ``logit_bias``, the repetition, frequency and presence penalties), and
-``sample`` draws each row's token from the last version of it. A :class:`LogitsStage`
+The default worker graph is ``… → forward → logits → structured → sample → …``:
+``forward`` provides the model's raw logits (:class:`~pipeline.artifacts.ModelOutput`),
+the built-in ``logits`` stage turns them into a :class:`Logits` artifact with the
+built-in adjustments applied (``min_tokens``, ``logit_bias``, the repetition, frequency
+and presence penalties), ``structured`` masks the rows of requests with
+``structured_outputs`` to their grammar (:mod:`stages.structured`), and ``sample`` draws
+each row's token from the last version of it. A :class:`LogitsStage`
 inserted after ``logits`` *amends* the artifact (it requires and provides
 :class:`Logits`): amenders run in declaration order, each on the previous one's
 logits::

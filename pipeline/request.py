@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import attrs
@@ -24,6 +25,8 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_REMOTE_KVS = 1
     RUNNING = 2
     PREEMPTED = 3
+    #: Waiting for its ``structured_outputs`` grammar to compile (others keep running).
+    WAITING_FOR_GRAMMAR = 4
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
@@ -68,6 +71,7 @@ class Request:
         "finished_time",
         "first_scheduled_time",
         "first_token_time",
+        "grammar_wait",
         "kv_transfer_params",
         "last_token_time",
         "logprobs",
@@ -115,6 +119,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.draft_token_ids: list[int] = []
         self.error: str | None = None
+        # ``(future of the compiled grammar, monotonic deadline, timeout s)`` while the
+        # request's ``structured_outputs`` compile (``WAITING_FOR_GRAMMAR``), else None.
+        self.grammar_wait: tuple[Future[Any], float, float] | None = None
         # Set at admission (checked, a copy) for the connector to read; replaced by
         # what the connector's ``request_finished`` returned once the request finishes.
         self.kv_transfer_params: dict[str, Any] | None = None

@@ -1,7 +1,8 @@
 """kvstep's built-in stages and the default step graphs built from them.
 
 engine:  schedule → execute → fan_in → update ⟂ fail_step
-worker:  bind → load → forward → logits → sample → save → finished ⟂ clear → drop_finished
+worker:  bind → load → forward → logits → structured → sample → save → finished
+         ⟂ clear → drop_finished
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The default step graphs, built from the built-in stages.
 
 engine:  schedule → execute → fan_in → update ⟂ fail_step
-worker:  bind → load → forward → logits → sample → save → finished ⟂ clear → drop_finished
+worker:  bind → load → forward → logits → structured → sample → save → finished
+         ⟂ clear → drop_finished
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from connectors.base import KVConnectorWorker
 from pipeline.artifacts import SchedulerOutput
+from pipeline.grammar.backend import TokenizerInfo
 from pipeline.kernel.graph import StepGraph
 from stages.bind import BindStage
 from stages.clear import ClearConnectorStage
@@ -24,6 +26,7 @@ from stages.logits import LogitsAdjustStage
 from stages.sample import SampleStage
 from stages.save import SaveStage
 from stages.schedule import ScheduleStage, StepLink
+from stages.structured import GrammarRows, StructuredOutputStage
 from stages.update import UpdateStage
 
 if TYPE_CHECKING:
@@ -39,8 +42,13 @@ def default_worker_graph(
     rank: int = 0,
     connector: KVConnectorWorker | None = None,
     finalizer_timeout_s: float = 30.0,
+    tokenizer: TokenizerInfo | None = None,
 ) -> StepGraph:
     """The worker graph of one rank; rank 0 is the driver that samples.
+
+    ``structured`` masks the rows of requests with ``structured_outputs`` to their
+    grammar (``tokenizer`` is what the grammars are compiled for); user logits stages
+    inserted after ``logits`` come before it, so the mask has the last word.
 
     Finalizers: ``clear`` (mandatory: the connector's step metadata), then
     ``drop_finished`` (the runner forgets the requests the scheduler finished when the
@@ -52,6 +60,7 @@ def default_worker_graph(
             LoadStage(runner, connector),
             ForwardStage(runner, connector),
             LogitsAdjustStage(runner, driver=rank == 0),
+            StructuredOutputStage(GrammarRows(tokenizer)),
             SampleStage(runner, driver=rank == 0),
             SaveStage(connector),
             FinishedStage(rank, connector),

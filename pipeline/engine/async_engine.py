@@ -28,6 +28,7 @@ from pipeline.errors import (
 from pipeline.logger import get_logger
 from pipeline.request import RequestOutput
 from pipeline.transfer_params import check_transfer_params
+from stages.model.compute_thread import threadsafe_call_soon, wake_loop
 
 __all__ = ["AsyncEngine", "RequestStream"]
 
@@ -106,6 +107,8 @@ class AsyncEngine:
                 lambda: EngineCore(self.config, **self._graphs)
             )
         self._wakeup = anyio.Event()
+        call_soon = threadsafe_call_soon()
+        self._core.on_grammar_ready = lambda: wake_loop(call_soon, self._wake)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._loop)
@@ -249,6 +252,9 @@ class AsyncEngine:
             stream._deliver(out)
             if out.finished:
                 del self._streams[out.request_id]
+
+    def _wake(self) -> None:
+        self._wakeup.set()
 
     async def _idle(self) -> None:
         with anyio.move_on_after(0.05):  # also polls aborts from other threads

@@ -6,8 +6,10 @@ the step loop) and, through it, by :class:`~pipeline.engine.llm.LLM`.
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 import attrs
@@ -20,14 +22,16 @@ from pipeline.engine.admission import check_params, check_prompt, new_request
 from pipeline.engine.kv_events import start_kv_events
 from pipeline.engine.output_text import OutputText
 from pipeline.engine.step_record import record_engine_step
-from pipeline.errors import EngineDeadError
+from pipeline.errors import EngineDeadError, InvalidRequestError
 from pipeline.executors.backends import start_executor
 from pipeline.executors.protocol import Executor
 from pipeline.executors.worker import GraphArg, Worker, apply_graph, connector_context
+from pipeline.grammar.compiler import compiler_for
 from pipeline.kernel.context import StepContext
 from pipeline.logger import get_logger
 from pipeline.request import RequestOutput
 from pipeline.steplog import StepLog, bind_step
+from pipeline.structured_outputs import StructuredOutputsParams
 from pipeline.tokenizer import load_tokenizer
 from pipeline.transfer_params import check_transfer_params
 from stages.fail_step import step_error
@@ -36,6 +40,7 @@ from stages.graphs import default_engine_graph
 from stages.model.builtin import tokenizer_dir
 from stages.schedule import StepLink
 from stages.scheduler.scheduler import Scheduler
+from stages.structured import tokenizer_info
 
 __all__ = ["EngineCore", "GraphArg"]
 
@@ -106,6 +111,12 @@ class EngineCore:
             ),
         )
         self.async_scheduling = config.async_scheduling
+        self.grammar_tokenizer = tokenizer_info(
+            config.model, self.model_config.vocab_size, self.model_config.eos_token_id
+        )
+        #: Called (from a compile thread) when a waiting request's grammar is compiled:
+        #: the async engine wakes its loop with it.
+        self.on_grammar_ready: Callable[[], None] | None = None
         self._closed = False
         try:  # last: nothing after it can fail and leave its thread running
             self.kv_events = start_kv_events(
@@ -186,8 +197,35 @@ class EngineCore:
         )
         if self.connector is not None:
             self.connector.check_request(request)
+        if params.structured_outputs is not None:
+            request.grammar_wait = self._compile_grammar(params.structured_outputs)
         self.scheduler.add_request(request)
         self.output_text.add(request_id, params)
+
+    def _compile_grammar(
+        self, params: StructuredOutputsParams
+    ) -> tuple[Future[Any], float, float] | None:
+        """Start compiling ``params`` (off this thread); ``None`` when it is compiled
+        already, else what the request waits on (``Request.grammar_wait``).
+
+        Raises:
+            InvalidRequestError: No tokenizer, no backend, or the spec is cached as
+                failing (a compile that failed fast: the future is done).
+        """
+        if self.grammar_tokenizer is None:
+            raise InvalidRequestError(
+                "structured_outputs", params, "needs a model with a tokenizer.json"
+            )
+        compiler = compiler_for(self.grammar_tokenizer)
+        future = compiler.submit(params)
+        if future.done():
+            future.result()  # raises a compile error now, before anything is queued
+            return None
+        wake = self.on_grammar_ready
+        if wake is not None:
+            future.add_done_callback(lambda _: wake())
+        timeout_s = compiler.timeout_s
+        return future, time.monotonic() + timeout_s, timeout_s
 
     def release_transfer(self, kv_transfer_params: object) -> bool:
         """Free what the connector holds for a transfer its receiver refused

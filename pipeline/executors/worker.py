@@ -35,6 +35,7 @@ from pipeline.kernel.graph import StepGraph
 from pipeline.steplog import StepLog, bind_step
 from stages.finished import UnsentTransfers
 from stages.graphs import default_worker_graph
+from stages.structured import tokenizer_info
 
 if TYPE_CHECKING:
     from connectors.base import KVConnectorWorker
@@ -278,7 +279,13 @@ def build_worker(
         connector = make_worker(raw)
         connector.register_kv_caches(runner.kv_caches)
     graph = default_worker_graph(
-        runner, rank=rank, connector=connector, finalizer_timeout_s=config.finalizer_timeout_s
+        runner,
+        rank=rank,
+        connector=connector,
+        finalizer_timeout_s=config.finalizer_timeout_s,
+        tokenizer=tokenizer_info(
+            config.model, runner.model_config.vocab_size, runner.model_config.eos_token_id
+        ),
     )
     graph = with_logits_processors(graph, config)
     build = GraphBuild(

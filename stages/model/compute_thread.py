@@ -41,7 +41,14 @@ from typing import Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-__all__ = ["Compute", "ComputeThread", "InlineCompute", "make_compute"]
+__all__ = [
+    "Compute",
+    "ComputeThread",
+    "InlineCompute",
+    "make_compute",
+    "threadsafe_call_soon",
+    "wake_loop",
+]
 
 T = TypeVar("T")
 
@@ -52,13 +59,15 @@ MAX_COST_KEYS = 256
 """Estimates a thread keeps (the least recently used dropped first)."""
 
 
-def _wake(call_soon: Callable[[Callable[[], object]], object], wake: Callable[[], None]) -> None:
+def wake_loop(
+    call_soon: Callable[[Callable[[], object]], object], wake: Callable[[], None]
+) -> None:
     """Run ``wake`` on the event loop; a loop that has closed meanwhile is not woken."""
     with contextlib.suppress(RuntimeError):  # asyncio: loop closed; trio: RunFinishedError
         call_soon(wake)
 
 
-def _threadsafe_call_soon() -> Callable[[Callable[[], object]], object]:
+def threadsafe_call_soon() -> Callable[[Callable[[], object]], object]:
     """The running event loop's thread-safe "call this soon" (asyncio or trio)."""
     native: Any = anyio.lowlevel.current_token().native_token
     call_soon = getattr(native, "call_soon_threadsafe", None)  # an asyncio loop
@@ -163,9 +172,9 @@ class ComputeThread:
 
     async def _hand_over(self, fn: Callable[..., T], *args: object) -> T:
         done = anyio.Event()
-        call_soon = _threadsafe_call_soon()
+        call_soon = threadsafe_call_soon()
         future = self._pool.submit(contextvars.copy_context().run, fn, *args)
-        future.add_done_callback(lambda _: _wake(call_soon, done.set))
+        future.add_done_callback(lambda _: wake_loop(call_soon, done.set))
         self._handed_over += 1
         try:
             with anyio.CancelScope(shield=True):

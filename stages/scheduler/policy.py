@@ -32,6 +32,7 @@ from typing import NamedTuple
 import attrs
 
 from pipeline.artifacts import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+from pipeline.grammar.compiler import timed_out
 from pipeline.logger import get_logger
 from pipeline.request import Request, RequestStatus
 from stages.scheduler.kv_manager import ComputedBlocks
@@ -159,6 +160,12 @@ def _schedule_waiting(
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             skipped.append(state.waiting.popleft())
             continue
+        if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not grammar_ready(
+            state, request
+        ):
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:  # not failed: later
+                skipped.append(state.waiting.popleft())
+            continue
         try:
             admission = _admission(state, request)
         except Exception as exc:  # a failing connector lookup fails this request alone
@@ -222,6 +229,39 @@ def _fail(state: SchedulerState, request: Request, call: str, exc: Exception) ->
     state.kv.uncache_step_blocks(request.request_id)  # nothing was computed into them
     state.finish(request, RequestStatus.FINISHED_ERROR, error)
     state.pending_outputs.append(make_output(request, ()))
+
+
+def grammar_pending(request: Request) -> bool:
+    """Whether ``request`` waits for a grammar that is still compiling (in time)."""
+    wait = request.grammar_wait
+    if wait is None or request.status != RequestStatus.WAITING_FOR_GRAMMAR:
+        return False
+    return not wait[0].done() and time.monotonic() < wait[1]
+
+
+def grammar_ready(state: SchedulerState, request: Request) -> bool:
+    """Whether ``request``'s grammar compiled: it then waits as any request does. One
+    that failed to compile, or not in time, fails alone (its final output waits in the
+    state for the next update); one still compiling stays where it is."""
+    wait = request.grammar_wait
+    assert wait is not None
+    future, deadline, timeout_s = wait
+    if not future.done():
+        if time.monotonic() < deadline:
+            return False
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        error = str(timed_out(params, timeout_s))
+    elif (exc := future.exception()) is not None:
+        error = str(exc)
+    else:
+        request.grammar_wait = None
+        request.status = RequestStatus.WAITING
+        return True
+    log.info("structured output failed", req_id=request.request_id, error=error)
+    state.finish(request, RequestStatus.FINISHED_ERROR, error)
+    state.pending_outputs.append(make_output(request, ()))
+    return False
 
 
 def _admission(state: SchedulerState, request: Request) -> _Admission | None:

@@ -30,7 +30,7 @@ from stages.scheduler.apply_output import UpdatePolicy, apply_output
 from stages.scheduler.kv_manager import KVCacheManager
 from stages.scheduler.lookahead import resolve_ahead
 from stages.scheduler.metadata import with_connector_metadata
-from stages.scheduler.policy import SchedulingLimits, ahead_done, plan_step
+from stages.scheduler.policy import SchedulingLimits, ahead_done, grammar_pending, plan_step
 from stages.scheduler.settings import SchedulerSettings
 from stages.scheduler.state import SchedulerState
 
@@ -153,7 +153,11 @@ class Scheduler:
                 f"must be <= max_model_len={self.max_model_len} and <= the KV pool "
                 f"capacity of {capacity} tokens",
             )
-        request.status = RequestStatus.WAITING
+        request.status = (
+            RequestStatus.WAITING
+            if request.grammar_wait is None
+            else RequestStatus.WAITING_FOR_GRAMMAR
+        )
         state.hasher.update(request)
         state.requests[req_id] = request
         state.waiting.append(request)
@@ -268,9 +272,11 @@ class Scheduler:
         a transfer), or a running request that the tokens in flight do not end."""
         state = self._state
         if not ahead:
-            return bool(state.requests) or bool(state.delayed_free)
+            if state.delayed_free or len(state.requests) > len(state.waiting):
+                return True
+            return any(not grammar_pending(r) for r in state.waiting)
         parked = RequestStatus.WAITING_FOR_REMOTE_KVS
-        if any(r.status != parked for r in state.waiting):
+        if any(r.status != parked and not grammar_pending(r) for r in state.waiting):
             return True
         return any(not ahead_done(r, self._limits) for r in state.running)
 

@@ -168,8 +168,8 @@ class TestOneHop:
         plain, plain_graph = calls(None)
         noop, noop_graph = calls(lambda g: g.insert_after("logits", Noop()))
         assert noop == plain
-        assert "forward → logits → sample" in plain_graph
-        assert "forward → logits → noop → sample" in noop_graph
+        assert "forward → logits → structured → sample" in plain_graph
+        assert "forward → logits → noop → structured → sample" in noop_graph
 
     def test_graph_functions_get_the_build(self) -> None:
         """A graph function of two arguments gets the rank's build (rank, runner, config)."""

@@ -197,5 +197,6 @@ class TestDefaultGraphs:
         runner: Any = object()
         graph = default_worker_graph(runner)
         assert str(graph) == (
-            "bind → load → forward → logits → sample → save → finished ⟂ clear → drop_finished"
+            "bind → load → forward → logits → structured → sample → save → finished "
+            "⟂ clear → drop_finished"
         )
