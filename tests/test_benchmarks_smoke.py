@@ -107,6 +107,7 @@ TINY_ARGS = {
         "--output-tokens",
         "4,8",
     ],
+    "structured.py": ["--concurrency", "2", "--rounds", "1", "--schemas", "4"],
     "throughput.py": [
         "--prompts",
         "2",
@@ -190,7 +191,18 @@ def _check_step_overhead(result: dict) -> None:
         assert decode[stages]["worker.forward"] > 0
 
 
+def _check_structured(result: dict) -> None:
+    """The llguidance row has both latencies, their ratio and compile quantiles."""
+    (row,) = result["results"]
+    assert row["backend"] == "llguidance"
+    assert row["constrained_ms_per_token"] > 0 and row["unconstrained_ms_per_token"] > 0
+    assert row["ratio"] > 0
+    assert 0 < row["compile"]["cold_p50_ms"] <= row["compile"]["cold_p99_ms"]
+    assert 0 < row["compile"]["cached_p50_ms"] <= row["compile"]["cached_p99_ms"]
+
+
 CHECKS = {
+    "structured.py": _check_structured,
     "step_overhead.py": _check_step_overhead,
     "serve.py": _check_serve,
     "routing.py": _check_routing,

@@ -25,8 +25,10 @@ from pipeline.errors import (
     EngineOverloaded,
     InvalidRequestError,
 )
+from pipeline.grammar.compiler import timed_out
 from pipeline.logger import get_logger
 from pipeline.request import RequestOutput
+from pipeline.structured_outputs import StructuredOutputsParams
 from pipeline.transfer_params import check_transfer_params
 from stages.model.compute_thread import threadsafe_call_soon, wake_loop
 
@@ -191,6 +193,29 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._wakeup.set()
         return stream
+
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile ``params``' grammar (or find it cached) without blocking the loop.
+
+        ``generate`` does not need it (a request whose grammar compiles waits for it in
+        the scheduler, others running meanwhile); a server calls it first so that a
+        schema, regex or grammar that does not compile is refused before any request is
+        admitted (an HTTP 400), not a request that fails later.
+
+        Raises:
+            InvalidRequestError: It does not compile, or not within the compile time
+                bound; names ``structured_outputs.<kind>``.
+        """
+        future, timeout_s = self.core.grammar_future(params)
+        if not future.done():
+            done = anyio.Event()
+            call_soon = threadsafe_call_soon()
+            future.add_done_callback(lambda _: wake_loop(call_soon, done.set))
+            with anyio.move_on_after(timeout_s):
+                await done.wait()
+            if not future.done():
+                raise timed_out(params, timeout_s)
+        future.result()
 
     def release_transfer(self, kv_transfer_params: object) -> bool:
         """Free at once what this engine holds for a KV transfer whose receiver refused

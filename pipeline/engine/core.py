@@ -26,6 +26,7 @@ from pipeline.errors import EngineDeadError, InvalidRequestError
 from pipeline.executors.backends import start_executor
 from pipeline.executors.protocol import Executor
 from pipeline.executors.worker import GraphArg, Worker, apply_graph, connector_context
+from pipeline.grammar.backend import CompiledGrammar
 from pipeline.grammar.compiler import compiler_for
 from pipeline.kernel.context import StepContext
 from pipeline.logger import get_logger
@@ -212,20 +213,31 @@ class EngineCore:
             InvalidRequestError: No tokenizer, no backend, or the spec is cached as
                 failing (a compile that failed fast: the future is done).
         """
-        if self.grammar_tokenizer is None:
-            raise InvalidRequestError(
-                "structured_outputs", params, "needs a model with a tokenizer.json"
-            )
-        compiler = compiler_for(self.grammar_tokenizer)
-        future = compiler.submit(params)
+        future, timeout_s = self.grammar_future(params)
         if future.done():
             future.result()  # raises a compile error now, before anything is queued
             return None
         wake = self.on_grammar_ready
         if wake is not None:
             future.add_done_callback(lambda _: wake())
-        timeout_s = compiler.timeout_s
         return future, time.monotonic() + timeout_s, timeout_s
+
+    def grammar_future(
+        self, params: StructuredOutputsParams
+    ) -> tuple[Future[CompiledGrammar], float]:
+        """The future of ``params``' compiled grammar (done when cached) and how long a
+        request may wait for it, in seconds.
+
+        Raises:
+            InvalidRequestError: The model has no tokenizer, or the backend's package is
+                not installed.
+        """
+        if self.grammar_tokenizer is None:
+            raise InvalidRequestError(
+                "structured_outputs", params, "needs a model with a tokenizer.json"
+            )
+        compiler = compiler_for(self.grammar_tokenizer)
+        return compiler.submit(params), compiler.timeout_s
 
     def release_transfer(self, kv_transfer_params: object) -> bool:
         """Free what the connector holds for a transfer its receiver refused

@@ -79,6 +79,10 @@ async def admit(
         raise InvalidRequestError(
             "kv_transfer_params", f"<{len(prompts)} requests>", "belongs to one engine request"
         )
+    specs = {id(p.structured_outputs): p.structured_outputs for p in params}
+    for spec in specs.values():  # a spec that does not compile is a 400, not a failure
+        if spec is not None:
+            await engine.compile_grammar(spec)
     streams: list[RequestStream] = []
     try:
         for prompt, one in zip(prompts, params, strict=True):
