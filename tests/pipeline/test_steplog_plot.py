@@ -31,7 +31,9 @@ class TestPlot:
         """The PNG opens, is about 1200 px wide, and is not blank."""
         out = tmp_path / "timeline.png"
         drawn = write_plot(records, out, steps=(1, 3))
-        assert drawn == 2 * (5 + 2 * 9)  # 2 steps x (engine + 2 ranks) stages and finalizers
+        # 2 steps x (engine + 2 ranks) stages and finalizers; the worker graph draws 10 per rank:
+        # bind load forward logits structured sample save finished, clear drop_finished
+        assert drawn == 2 * (5 + 2 * 10)
         with Image.open(out) as img:
             assert img.format == "PNG"
             width, height = img.size
