@@ -55,6 +55,7 @@ from pipeline.proxy.pool import Backend, BackendPool
 from pipeline.proxy.prefix_index import PrefixIndex
 from pipeline.server.chat_template import parse_messages, render_chat
 from pipeline.server.prompt_encoder import INLINE_ENCODE_BYTES
+from pipeline.server.tools import parse_tools
 
 __all__ = ["KVAwareRouter"]
 
@@ -184,7 +185,12 @@ class KVAwareRouter:
             if self.tokenizer is None:
                 return None
             try:
-                text = render_chat(self.tokenizer, parse_messages(body.get("messages")))
+                tools = parse_tools(body)  # rendered into the prompt as a replica does
+                text = render_chat(
+                    self.tokenizer,
+                    parse_messages(body.get("messages")),
+                    None if tools is None else tools.template_tools(),
+                )
             except InvalidRequestError:
                 return None
             return await self._encode(text)

@@ -27,7 +27,9 @@ from pipeline.server.metrics import LoopLagMonitor, ServerMetrics
 from pipeline.server.middleware import GuardMiddleware
 from pipeline.server.options import ServerOptions
 from pipeline.server.prompt_encoder import PromptEncoder
+from pipeline.server.reasoning import get_reasoning_parser
 from pipeline.server.tokenize import detokenize, tokenize
+from pipeline.server.tool_parsers import get_tool_parser
 from pipeline.tokenizer import load_tokenizer
 from stages.model.builtin import tokenizer_dir
 
@@ -51,6 +53,9 @@ class ServerState:
         encoder: Encodes text prompts (off the loop, refusing what cannot fit).
         parse_limiter: Worker threads for parsing large bodies, apart from the
             engine's own threads so a flood of bodies cannot starve its steps.
+        tool_parser: The tool-call parser of ``options.tool_call_parser``, or ``None``.
+        reasoning_parser: The reasoning parser of ``options.reasoning_parser``, or
+            ``None``.
     """
 
     def __init__(
@@ -73,6 +78,10 @@ class ServerState:
         self.max_num_seqs = max_num_seqs
         self.encoder = PromptEncoder(tokenizer, max_model_len)
         self.parse_limiter = anyio.CapacityLimiter(2)
+        name = self.options.tool_call_parser
+        self.tool_parser = None if name is None else get_tool_parser(name)()
+        name = self.options.reasoning_parser
+        self.reasoning_parser = None if name is None else get_reasoning_parser(name)()
         self._given = given
 
     def running_engine(self) -> AsyncEngine:

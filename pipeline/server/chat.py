@@ -14,6 +14,13 @@ stream starts with each choice's role chunk. ``logprobs: true`` (with ``top_logp
 alternatives) gives each choice ``logprobs.content``; vLLM's ``prompt_logprobs``
 (non-streaming only) is a field of the response, as in vLLM; so is
 ``kv_transfer_params`` (see :mod:`pipeline.server.completions`).
+
+Tools (:mod:`pipeline.server.tools`): ``tools`` are rendered into the prompt by the
+template; ``tool_choice`` ``"required"`` or a named function forces calls by grammar,
+``"auto"`` reads them with the server's ``--tool-call-parser``; a choice with calls has
+``message.tool_calls`` (streamed as ``delta.tool_calls``, each call whole once its text
+closes) and ``finish_reason: "tool_calls"``. With ``--reasoning-parser`` the thinking is
+``reasoning_content`` (:mod:`pipeline.server.chat_message`).
 """
 
 from __future__ import annotations
@@ -23,12 +30,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import attrs
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pipeline.config import SamplingParams
 from pipeline.errors import InvalidRequestError
 from pipeline.request import RequestOutput
 from pipeline.server.body import read_body
+from pipeline.server.chat_message import MessageReader
 from pipeline.server.chat_template import parse_messages, render_chat
 from pipeline.server.choices import (
     Choice,
@@ -45,6 +55,8 @@ from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
 from pipeline.server.prompt_field import fit_max_tokens
 from pipeline.server.reply import json_reply
 from pipeline.server.schemas import SharedFields, parse_shared_fields
+from pipeline.server.tool_parsers import TOOL_PARSERS, ToolParser
+from pipeline.server.tools import ToolRequest, forcing_parser, parse_tools
 
 if TYPE_CHECKING:
     from pipeline.server.app import ServerState
@@ -63,16 +75,16 @@ async def chat_completions(request: Request) -> Response:
     _check_max_completion_tokens(body)
     messages = parse_messages(body.get("messages"))
     fields = parse_shared_fields(body, endpoint="chat")
+    tools = parse_tools(body)
     note_ignored_fields(request, fields.ignored)
     if fields.model is not None and fields.model != state.model_name:
         return model_not_found(state, fields.model)
     check_choices(state.options, state.max_num_seqs, fields.n, 1)
-    text = render_chat(state.tokenizer, messages)
+    params, calls = _tool_params(state, tools, fields.params)
+    text = render_chat(state.tokenizer, messages, tools.template_tools() if tools else None)
     prompt = await state.encoder.encode(text)
-    check_prompt_logprobs(state.options, fields.params.prompt_logprobs, [len(prompt)], fields.n)
-    params = fit_max_tokens(
-        fields.params, len(prompt), state.max_model_len, given=fields.max_tokens_given
-    )
+    check_prompt_logprobs(state.options, params.prompt_logprobs, [len(prompt)], fields.n)
+    params = fit_max_tokens(params, len(prompt), state.max_model_len, given=fields.max_tokens_given)
     n = fields.n
     streams = await admit(
         state.running_engine(),
@@ -82,7 +94,9 @@ async def chat_completions(request: Request) -> Response:
         fields.kv_transfer_params,
     )
     texts = TokenTexts(state.tokenizer)
-    choices = [Choice(i, texts, logprobs=fields.logprobs) for i in range(n)]
+    choices = [
+        Choice(i, texts, logprobs=fields.logprobs, reader=_reader(state, calls)) for i in range(n)
+    ]
     rid = streams[0].request_id
     if fields.stream:
         return FanInStream(state, streams, functools.partial(_render, state, rid, choices, fields))
@@ -132,6 +146,40 @@ async def _render(
     if fields.include_usage and len(finals) == len(choices):
         yield event([], usage([finals[i] for i in range(len(choices))], fields.n))
     yield "data: [DONE]\n\n"
+
+
+def _tool_params(
+    state: ServerState, tools: ToolRequest | None, params: SamplingParams
+) -> tuple[SamplingParams, ToolParser | None]:
+    """The request's parameters with its forced tool calls' grammar, and the parser its
+    output is read for calls with (``None``: no calls are read)."""
+    if tools is None or not tools.parses_calls:
+        return params, None
+    if tools.choice == "auto":
+        if state.tool_parser is None:
+            raise InvalidRequestError(
+                "tool_choice",
+                "auto",
+                "needs a tool-call parser: start the server with --tool-call-parser "
+                f"({', '.join(sorted(TOOL_PARSERS))}), or use required or a named function",
+            )
+        return params, state.tool_parser
+    parser = forcing_parser(state.tool_parser)
+    spec = tools.forcing_spec(parser)
+    if params.structured_outputs is not None:
+        raise InvalidRequestError(
+            "tool_choice",
+            tools.choice,
+            "forces a tool call, which cannot be combined with response_format or "
+            "structured_outputs",
+        )
+    return attrs.evolve(params, structured_outputs=spec), parser
+
+
+def _reader(state: ServerState, calls: ToolParser | None) -> MessageReader | None:
+    if calls is None and state.reasoning_parser is None:
+        return None
+    return MessageReader(calls, state.reasoning_parser)
 
 
 def _check_max_completion_tokens(body: dict[Any, Any]) -> None:

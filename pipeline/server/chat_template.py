@@ -4,6 +4,12 @@ chat template in Jinja2's immutable sandbox, as transformers renders it (``trim_
 special tokens (``bos_token``, ...). A message's ``content`` is a string or a list of
 ``{"type": "text", "text": ...}`` parts (joined with newlines, as vLLM does).
 
+Tools (OpenAI's shapes, as transformers hands them to a template): the request's tools
+are the template's ``tools``; an assistant message may carry ``tool_calls`` instead of
+content (each ``{"id", "type": "function", "function": {"name", "arguments"}}``, the
+arguments given to the template as an object when they are a JSON object's text, as
+vLLM does), and a ``tool`` message answers one (``content``, ``tool_call_id``).
+
 Shared by the chat route and the proxy's kv-aware router (which must render a chat
 exactly as a replica does); imports nothing of the server's app.
 """
@@ -11,6 +17,7 @@ exactly as a replica does); imports nothing of the server's app.
 from __future__ import annotations
 
 import functools
+import json
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipeline.errors import InvalidRequestError
@@ -20,12 +27,15 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_MESSAGES", "ROLES", "parse_messages", "render_chat"]
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
+MAX_CALLS_PER_MESSAGE = 64
 
 
-def parse_messages(value: object) -> list[dict[str, str]]:
-    """``messages`` checked and normalised to ``[{"role", "content"}]`` (content a string)."""
+def parse_messages(value: object) -> list[dict[str, Any]]:
+    """``messages`` checked and normalised to ``[{"role", "content", ...}]``: content a
+    string (``None`` only for an assistant message with ``tool_calls``), plus
+    ``tool_calls`` (assistant) or ``tool_call_id`` (tool) where given."""
     if not isinstance(value, list) or not value:
         _bad("messages", value, "must be a non-empty list of {role, content} objects")
     if len(value) > MAX_MESSAGES:
@@ -38,8 +48,52 @@ def parse_messages(value: object) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in ROLES:
             _bad(f"{where}.role", role, f"must be one of {', '.join(ROLES)}")
-        messages.append({"role": str(role), "content": _content(where, message.get("content"))})
+        calls = message.get("tool_calls")
+        normal: dict[str, Any] = {"role": str(role)}
+        if role == "assistant" and calls is not None:
+            normal["tool_calls"] = _tool_calls(where, calls)
+            content = message.get("content")
+            normal["content"] = None if content is None else _content(where, content)
+        else:
+            normal["content"] = _content(where, message.get("content"))
+        if role == "tool" and message.get("tool_call_id") is not None:
+            call_id = message["tool_call_id"]
+            if not isinstance(call_id, str):
+                _bad(f"{where}.tool_call_id", call_id, "must be a string")
+            normal["tool_call_id"] = call_id
+        messages.append(normal)
     return messages
+
+
+def _tool_calls(where: str, calls: object) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, arguments as an object where they parse."""
+    if not isinstance(calls, list) or len(calls) > MAX_CALLS_PER_MESSAGE:
+        _bad(f"{where}.tool_calls", calls, f"must be a list of at most {MAX_CALLS_PER_MESSAGE}")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            _bad(at, call, 'must be {"type": "function", "function": {"name", "arguments"}}')
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            _bad(f"{at}.function.arguments", arguments, "must be a string (JSON text)")
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            _bad(f"{at}.id", call_id, "must be a string")
+        out.append({
+            "id": call_id,
+            "type": "function",
+            "function": {
+                "name": function["name"],
+                "arguments": parsed if isinstance(parsed, dict) else arguments,
+            },
+        })  # fmt: skip
+    return out
 
 
 def _content(where: str, content: object) -> str:
@@ -66,8 +120,11 @@ def _bad(field: str, value: object, why: str) -> NoReturn:
     raise InvalidRequestError(field, value, why)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """The prompt text of ``messages`` through the tokenizer's chat template.
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> str:
+    """The prompt text of ``messages`` (and ``tools``, the template's ``tools``: ``None``
+    when the request gave none) through the tokenizer's chat template.
 
     Raises:
         InvalidRequestError: The model has no tokenizer or no chat template
@@ -86,7 +143,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
         )
     special = dict(getattr(tokenizer, "special_tokens", {}))
     try:
-        return _compile(template).render(messages=messages, add_generation_prompt=True, **special)
+        return _compile(template).render(
+            messages=messages, tools=tools, add_generation_prompt=True, **special
+        )
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(
             "messages", "...", f"the chat template refused them: {exc}"

@@ -24,6 +24,7 @@ from typing import Any
 from pipeline.detokenize import decode_ids_text
 from pipeline.logprobs import TokenLogprob
 from pipeline.request import RequestOutput
+from pipeline.server.chat_message import MessageReader
 from pipeline.server.logprobs_format import (
     Entry,
     TokenTexts,
@@ -85,15 +86,24 @@ class Choice:
         logprobs: Alternatives per token to show, or ``None``: no ``logprobs``.
         echo: Text to put before the choice's text (completions' ``echo``); with
             ``logprobs``, the prompt tokens' logprobs come first too.
+        reader: How a chat choice's text becomes its message (reasoning, tool calls);
+            ``None``: all of it is ``content``.
     """
 
     def __init__(
-        self, index: int, texts: TokenTexts, *, logprobs: int | None, echo: str | None = None
+        self,
+        index: int,
+        texts: TokenTexts,
+        *,
+        logprobs: int | None,
+        echo: str | None = None,
+        reader: MessageReader | None = None,
     ) -> None:
         self.index = index
         self._texts = texts
         self._top = logprobs
         self._echo = echo
+        self._reader = reader
         self._offset = 0  # characters of token text given so far (the next text_offset)
 
     def completion(self, out: RequestOutput, *, whole: bool = False) -> dict[str, Any]:
@@ -111,11 +121,17 @@ class Choice:
         logprobs = None
         if self._top is not None:
             logprobs = {"content": chat_logprobs(entries, self._top, self._texts)}
+        reader = self._reader
         if whole:
-            message = {"message": {"role": "assistant", "content": text}}
+            fields = {"content": text} if reader is None else reader.message(text)
+            message: dict[str, Any] = {"message": {"role": "assistant", **fields}}
         else:
-            message = {"delta": {"content": text}}
-        return {"index": self.index, **message, "logprobs": logprobs, **_ends(out, ids)}
+            fields = {"content": text} if reader is None else reader.delta(text, last=out.finished)
+            message = {"delta": fields}
+        ends = _ends(out, ids)
+        if reader is not None and reader.made_calls and ends["finish_reason"] == "stop":
+            ends["finish_reason"] = "tool_calls"
+        return {"index": self.index, **message, "logprobs": logprobs, **ends}
 
     def _piece(self, out: RequestOutput, whole: bool) -> tuple[str, list[Entry], tuple[int, ...]]:
         if whole:

@@ -8,9 +8,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.config import EngineConfig
+from pipeline.errors import InvalidConfigError
 from pipeline.logger import cli_logging, get_logger
 from pipeline.server.app import create_app
 from pipeline.server.options import API_KEY_ENV, ServerOptions
+from pipeline.server.reasoning import REASONING_PARSERS
+from pipeline.server.tool_parsers import TOOL_PARSERS
 
 __all__ = ["add_server_flags", "main", "serve", "server_options"]
 
@@ -125,6 +128,25 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         "over its choices); 400 past it",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the model's tool-call format: chat's tool_choice 'auto' reads calls with it "
+        "(hermes: Qwen 2.5/3, Hermes; llama3_json: Llama 3.x); default: none, 'auto' is a 400",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's flag, accepted: with --tool-call-parser, 'auto' is on anyway",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="the model's reasoning format: chat answers carry the thinking as "
+        "reasoning_content; default: none",
+    )
+    parser.add_argument(
         "--access-log",
         action="store_true",
         help="log one line per request (uvicorn's access log, on stdout; default: off)",
@@ -142,7 +164,13 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         "limit_concurrency": args.limit_concurrency or None,
         "max_request_share": args.max_request_share,
         "max_prompt_logprobs": args.max_prompt_logprobs,
+        "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
     }
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise InvalidConfigError(
+            "--enable-auto-tool-choice", True, "needs --tool-call-parser (as vLLM)"
+        )
     return ServerOptions.from_env(**fields)
 
 

@@ -34,6 +34,19 @@ def _share(instance: Any, attribute: attrs.Attribute[Any], value: object) -> Non
     check_float(attribute.name, value, InvalidConfigError, lo=0.0, hi=1.0, lo_open=True)
 
 
+def _parser_name(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if attribute.name == "tool_call_parser":
+        from pipeline.server.tool_parsers import get_tool_parser
+
+        get_tool_parser(value)  # type: ignore[arg-type]  # raises naming the known ones
+    else:
+        from pipeline.server.reasoning import get_reasoning_parser
+
+        get_reasoning_parser(value)  # type: ignore[arg-type]
+
+
 def _api_key(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is None:
         return
@@ -65,6 +78,13 @@ class ServerOptions:
         max_prompt_logprobs: The most prompt logprob values one request may ask for:
             its choices' prompt tokens times ``prompt_logprobs + 1`` (the token's own
             and its alternatives), summed; a 400 naming ``prompt_logprobs`` past it.
+        tool_call_parser: The model's tool-call format (a name in
+            :data:`~pipeline.server.tool_parsers.TOOL_PARSERS`: ``"hermes"``,
+            ``"llama3_json"``), which chat's ``tool_choice: "auto"`` needs; ``None``:
+            ``"auto"`` is a 400, and forced calls are written in hermes' format.
+        reasoning_parser: The model's reasoning format (a name in
+            :data:`~pipeline.server.reasoning.REASONING_PARSERS`), which splits chat's
+            ``reasoning_content`` from ``content``; ``None``: no split.
     """
 
     api_key: str | None = attrs.field(default=None, repr=False, validator=_api_key)
@@ -77,6 +97,8 @@ class ServerOptions:
     )
     max_request_share: float = attrs.field(default=0.5, validator=_share)
     max_prompt_logprobs: int = attrs.field(default=100_000, validator=_int_at_least(1))
+    tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name)
+    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name)
 
     @classmethod
     def from_env(cls, **fields: Any) -> ServerOptions:

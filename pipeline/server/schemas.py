@@ -16,12 +16,15 @@ must be finite and lists are capped. Both endpoints take:
 - vLLM's ``vllm_xargs``: a JSON object of arguments for the engine's custom logits
   stages, which becomes ``SamplingParams.extra_args`` (the bounds are
   :func:`~pipeline.sampling_params.check_extra_args`'; a bad one is a 400 naming
-  ``vllm_xargs``).
+  ``vllm_xargs``);
+- structured outputs: OpenAI's ``response_format``, vLLM's ``structured_outputs`` and
+  its legacy ``guided_*`` fields (see :mod:`pipeline.server.response_format`), which
+  become ``SamplingParams.structured_outputs``.
 
 Completions also take ``echo`` and ``logprobs`` (OpenAI caps it at 5; kvstep allows
 0 to 20, as vLLM); chat takes ``logprobs`` (true or false) and ``top_logprobs`` (0 to 20,
 only with ``logprobs`` true). Fields that would change what is generated but that kvstep
-does not implement (``suffix``, ``use_beam_search``, guided decoding, chat's ``echo``,
+does not implement (``suffix``, ``use_beam_search``, chat's ``echo``,
 ...) are refused with a 400 naming them, unless they hold their neutral value
 (``"suffix": ""``, ``"echo": false``), which clients often send. Other unknown fields
 are ignored, named in a warning log and in the response's ``X-Kvstep-Ignored-Fields``
@@ -47,6 +50,8 @@ from pipeline.sampling_params import check_extra_args
 from pipeline.server import fields as f
 from pipeline.server.errors import UnsupportedFieldError, short_value
 from pipeline.server.prompt_field import MAX_PROMPTS, Prompt, parse_prompts
+from pipeline.server.response_format import BODY_FIELDS, parse_output_constraint
+from pipeline.server.tools import BODY_FIELDS as TOOL_FIELDS
 from pipeline.transfer_params import TRANSFER_PARAMS, check_transfer_params
 
 __all__ = ["CompletionRequest", "SharedFields", "parse_completion_request", "parse_shared_fields"]
@@ -68,23 +73,19 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
-    "response_format": (),
     "allowed_token_ids": (),
     "bad_words": ((),),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "truncate_prompt_tokens": (),
 }
 _KNOWN = frozenset(
     {"model", "stream", "stream_options", "n", "best_of", "user", "seed", "ignore_eos"}
     | {"stop", "include_stop_str_in_output", "prompt_logprobs", "stop_token_ids"}
     | {"logit_bias", "logprobs", "kv_transfer_params", "vllm_xargs", *_INTS, *_FLOATS}
+    | BODY_FIELDS
 )
 _ENDPOINT_KNOWN = {
     "completions": frozenset({"prompt", "echo"}),
-    "chat": frozenset({"messages", "top_logprobs"}),
+    "chat": frozenset({"messages", "top_logprobs"}) | TOOL_FIELDS,
 }
 _INT64 = f.INT64
 _ONE_REQUEST = "belongs to one engine request: it cannot be combined with {} (as vLLM)"
@@ -195,6 +196,8 @@ def parse_shared_fields(
         fields["logit_bias"] = f.logit_bias(body["logit_bias"])
     if body.get("vllm_xargs") is not None:
         fields["extra_args"] = _vllm_xargs(body["vllm_xargs"])
+    if (constraint := parse_output_constraint(body)) is not None:
+        fields["structured_outputs"] = constraint
     echo = endpoint == "completions" and bool(f.optional(body, "echo", bool, "true or false"))
     logprobs = _logprobs(body, endpoint)
     prompt_logprobs = f.count("prompt_logprobs", body.get("prompt_logprobs"))

@@ -254,6 +254,17 @@ class ToolParser(abc.ABC):
     def stream(self) -> ToolCallStream:
         """A fresh stream for one output."""
 
+    @abc.abstractmethod
+    def forcing_grammar(self, call_json: str, *, parallel: bool) -> str:
+        """A Lark grammar (llguidance's dialect) of outputs that are calls only, in this
+        format: one call, or one or more when ``parallel``. ``call_json`` is the JSON
+        schema a call object must match (its ``name`` and arguments), as JSON text;
+        :attr:`arguments_key` is the key it must use for the arguments. What the grammar
+        accepts, :meth:`parse` reads back as those calls with no content."""
+
+    #: The key of a call object's arguments in this format.
+    arguments_key: ClassVar[str] = "arguments"
+
 
 def _reject_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
@@ -371,6 +382,11 @@ class HermesToolParser(ToolParser):
         all its arguments) or, when the block is not a call, the block as content.
         """
         return _HermesStream(self.max_calls)
+
+    def forcing_grammar(self, call_json: str, *, parallel: bool) -> str:
+        """``<tool_call>\\n{...}\\n</tool_call>`` blocks, newline-separated."""
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        return f'start: {calls}\ncall: "{_OPEN}\\n" obj "\\n{_CLOSE}"\nobj: %json {call_json}\n'
 
 
 class _HermesStream(ToolCallStream):
@@ -540,6 +556,13 @@ class Llama3JsonToolParser(ToolParser):
         the text cannot be a call, what was held and all that follows is content.
         """
         return _Llama3Stream(self.max_calls)
+
+    arguments_key: ClassVar[str] = "parameters"
+
+    def forcing_grammar(self, call_json: str, *, parallel: bool) -> str:
+        """JSON call objects, ``;``-separated."""
+        calls = 'obj (";" obj)*' if parallel else "obj"
+        return f"start: {calls}\nobj: %json {call_json}\n"
 
 
 class _Llama3Stream(ToolCallStream):

@@ -13,6 +13,12 @@ turn, and the model ends its turn with the EOS token)::
 
     <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nhello<|end_of_text|>
     <|start_header_id|>assistant<|end_header_id|>\\n\\n
+
+With ``tools``, a system turn first lists them (one JSON object a line between
+``<tools>`` and ``</tools>``) and says how to call one: hermes' format,
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, in which an
+assistant message's ``tool_calls`` are written back; a ``tool`` message is a turn of
+role ``tool``.
 """
 
 from __future__ import annotations
@@ -37,9 +43,24 @@ SPECIAL_TOKENS = (
 )
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{{ 'You may call these tools. To call one, write <tool_call>\\n"
+    '{"name": NAME, "arguments": {...}}'
+    "\\n</tool_call>\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ '</tools>' }}{{ eos_token }}"
+    "{% endif %}"
     "{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-    "{{ message['content'] }}{{ eos_token }}"
+    "{% if message['content'] is not none %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>\\n' }}"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']}"
+    " | tojson }}"
+    "{{ '\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
