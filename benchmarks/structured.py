@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import random
 import statistics
 import sys
@@ -37,7 +36,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _results import RESULTS, save
+from _results import RESULTS, cpu, save
 
 from pipeline import AsyncEngine, EngineConfig, SamplingParams
 from pipeline.grammar.backend import TokenizerInfo
@@ -208,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         row = anyio.run(_latency, args.concurrency, args.rounds, backend)
         row["compile"] = _compile_times(backend, args.schemas)
         rows.append(row)
-    print(f"\nStructured outputs on {MODEL} ({platform.machine()}, {platform.processor() or '?'})")
+    print(f"\nStructured outputs on {MODEL} ({cpu()})")
     print(f"  {'backend':12s} {'json ms/tok':>12s} {'plain ms/tok':>13s} {'ratio':>6s}"
           f" {'compile p50/p99 ms':>20s} {'cached p50/p99 ms':>19s}")  # fmt: skip
     for row in rows:
@@ -223,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             f" {c['cached_p50_ms']:8.4f}/{c['cached_p99_ms']:<8.4f}"
         )
     print(f"  goal: constrained <= {GOAL_RATIO}x unconstrained per output token")
-    save(args.json, {"model": MODEL, "schema": json.dumps(SCHEMA), "results": rows})
+    save(args.json, {"model": MODEL, "cpu": cpu(), "schema": json.dumps(SCHEMA), "results": rows})
     print(f"wrote {args.json}")
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_SPEC_BYTES",
     "MAX_SPEC_DEPTH",
     "GrammarKind",
+    "Reasoning",
     "StructuredOutputsParams",
 ]
 
@@ -38,6 +39,9 @@ MAX_SPEC_DEPTH = 32
 MAX_CHOICES = 1024
 
 GrammarKind = Literal["json", "regex", "choice", "grammar", "json_object"]
+#: A reasoning section before the constrained output: always, or perhaps.
+Reasoning = Literal["required", "optional"]
+_REASONING: tuple[Reasoning, ...] = ("required", "optional")
 _KINDS: tuple[GrammarKind, ...] = ("json", "regex", "choice", "grammar", "json_object")
 _ANY_OBJECT = '{"type":"object"}'
 
@@ -142,6 +146,12 @@ class StructuredOutputsParams:
         choice: The output is one of these strings (at most :data:`MAX_CHOICES`).
         grammar: A context-free grammar: Lark (llguidance's syntax) or GBNF/EBNF.
         json_object: Any JSON object (OpenAI's ``{"type": "json_object"}``).
+        reasoning: Whether the constrained output comes after a reasoning section the
+            model writes freely, ``<think>...</think>`` (what a reasoning parser splits
+            off as ``reasoning_content``): ``None``, no section; ``"required"``, the
+            output thinks until ``</think>`` first (its ``<think>`` optional, as when the
+            chat template opened it: DeepSeek-R1); ``"optional"``, a ``<think>`` block
+            may come first (Qwen3). Set by the server from its ``--reasoning-parser``.
 
     Raises:
         InvalidRequestError: No field or more than one is set, or one is of the wrong
@@ -153,8 +163,13 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = attrs.field(default=None, converter=_choice)
     grammar: str | None = attrs.field(default=None, converter=_grammar)
     json_object: bool = False
+    reasoning: Reasoning | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.reasoning not in (None, *_REASONING):
+            raise InvalidRequestError(
+                "structured_outputs.reasoning", self.reasoning, "must be required or optional"
+            )
         if not isinstance(self.json_object, bool):
             raise InvalidRequestError(
                 "structured_outputs.json_object", self.json_object, "must be true or false"
@@ -190,5 +205,12 @@ class StructuredOutputsParams:
         assert isinstance(value, str)
         return value
 
+    @property
+    def key(self) -> tuple[GrammarKind, str, Reasoning | None]:
+        """What a compiled grammar is cached by: kind, spec and reasoning."""
+        return self.kind, self.spec, self.reasoning
+
     def __repr__(self) -> str:
-        return f"StructuredOutputsParams({self.kind}={short_repr(getattr(self, self.kind), 60)})"
+        value = short_repr(getattr(self, self.kind), 60)
+        after = "" if self.reasoning is None else f", reasoning={self.reasoning!r}"
+        return f"StructuredOutputsParams({self.kind}={value}{after})"

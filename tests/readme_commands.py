@@ -24,19 +24,41 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-_FENCE = re.compile(r"^```bash\n(.*?)^```", re.MULTILINE | re.DOTALL)
+_FENCE = re.compile(r"^```(bash|python)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
-def readme_block(containing: str) -> str:
-    """The text of the one ``bash`` block of the README that contains ``containing``.
+def readme_block(containing: str, language: str = "bash") -> str:
+    """The text of the one ``language`` block of the README that contains ``containing``.
 
     Raises:
         LookupError: No block, or more than one, contains it.
     """
-    found = [m.group(1) for m in _FENCE.finditer(README.read_text()) if containing in m.group(1)]
+    found = [
+        m.group(2)
+        for m in _FENCE.finditer(README.read_text())
+        if m.group(1) == language and containing in m.group(2)
+    ]
     if len(found) != 1:
-        raise LookupError(f"{len(found)} README bash blocks contain {containing!r}")
+        raise LookupError(f"{len(found)} README {language} blocks contain {containing!r}")
     return found[0]
+
+
+def run_python_block(text: str, cwd: Path, timeout_s: float = 240.0) -> str:
+    """Run a README ``python`` block verbatim in a fresh interpreter; its output.
+
+    Raises:
+        AssertionError: It exited non-zero (the message holds its output).
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", text],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 def _shim(bin_dir: Path) -> None:

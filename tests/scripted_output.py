@@ -2,7 +2,8 @@
 
 ``builtin:tiny`` has random weights, so what it writes is noise; a request whose
 ``extra_args["script"]`` is a list of token ids writes exactly those tokens, then the
-EOS token (a scripted model output, e.g. a tool call in a parser's format).
+EOS token (a scripted model output, e.g. a tool call in a parser's format); with
+``extra_args["then"] == "free"`` it goes on unforced after the script instead.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class ForceScript(LogitsStage):
             if script is None:
                 continue
             done = len(batch.output_token_ids[row])
+            if done >= len(script) and params.extra_args.get("then") == "free":
+                continue
             logits[row] = float("-inf")
             logits[row, int(script[done]) if done < len(script) else EOS] = 0.0
         return logits

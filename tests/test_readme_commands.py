@@ -7,6 +7,7 @@ the same time under pytest-xdist (``--dist loadfile``).
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import contextlib
 import re
@@ -17,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from readme_commands import ROOT, BlockProcess, readme_block, run_block
+from readme_commands import ROOT, BlockProcess, readme_block, run_block, run_python_block
 from server_process import launch
 
 _PROMPT_TOKENS = 300
@@ -223,3 +224,41 @@ class TestContributingCommands:
         with run_block(text, tmp_path, cwd=ROOT) as block:
             assert block.process.wait(timeout=240) == 0, block.log_text()
         assert "1 passed" in block.log_text(), block.log_text()
+
+
+class TestChatCommands:
+    """The README's "chat with it" server block and the Python blocks that talk to it:
+    the first chat, structured output, a forced tool call; typed as is."""
+
+    def test_the_openai_client_blocks_run(self, tmp_path: Path) -> None:
+        """With the server of the "fresh machine" block up, each Python block runs and
+        prints what it promises: a reply, a JSON object valid against the example's
+        schema, one get_weather call whose arguments are valid."""
+        pytest.importorskip("openai")
+        pytest.importorskip("llguidance")
+        jsonschema = pytest.importorskip("jsonschema")
+        with run_block(readme_block("kvstep serve --port 8000 &"), tmp_path) as block:
+            block.wait_healthy("http://127.0.0.1:8000")
+            chat = run_python_block(readme_block('"content": "Hello!"', "python"), tmp_path)
+            structured = readme_block("response_format=", "python")
+            city = run_python_block(structured, tmp_path)
+            tools = readme_block("tool_choice=", "python")
+            call = run_python_block(tools, tmp_path)
+        assert chat.strip(), "the first chat printed its reply"
+        schema = _block_value(structured, "schema")
+        jsonschema.validate(ast.literal_eval(city.strip()), schema)
+        reason, name, arguments = call.strip().split(" ", 2)
+        assert (reason, name) == ("tool_calls", "get_weather")
+        parameters = _block_value(tools, "weather")["function"]["parameters"]
+        jsonschema.validate(ast.literal_eval(arguments), parameters)
+
+
+def _block_value(text: str, name: str) -> Any:
+    """The value a README Python block assigns to ``name`` (a literal)."""
+    tree = ast.parse(text)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
+            name
+        ]:
+            return ast.literal_eval(node.value)
+    raise LookupError(f"the block assigns no {name}")

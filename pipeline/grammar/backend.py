@@ -19,7 +19,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.structured_outputs import GrammarKind
+    from pipeline.structured_outputs import GrammarKind, Reasoning
 
 __all__ = [
     "CompiledGrammar",
@@ -87,8 +87,12 @@ class GrammarBackend(Protocol):
 
     name: str
 
-    def compile(self, kind: GrammarKind, spec: str) -> CompiledGrammar:
-        """Compile ``spec`` (blocking, GIL released where the backend can).
+    def compile(
+        self, kind: GrammarKind, spec: str, *, reasoning: Reasoning | None = None
+    ) -> CompiledGrammar:
+        """Compile ``spec`` (blocking, GIL released where the backend can); with
+        ``reasoning``, the grammar lets a ``<think>...</think>`` section come first
+        (see :attr:`~pipeline.structured_outputs.StructuredOutputsParams.reasoning`).
 
         Raises:
             InvalidRequestError: The spec does not compile; names

@@ -3,7 +3,7 @@
 A :class:`GrammarCompiler` serves one tokenizer and one backend. :meth:`~GrammarCompiler.submit`
 starts a compile on the compiler's threads (or finds it cached or already running) and
 returns its future; :meth:`~GrammarCompiler.get` blocks for it. Compiled grammars are
-kept in an LRU of ``max_entries`` keyed by ``(kind, spec)``; a spec that fails to compile
+kept in an LRU of ``max_entries`` keyed by ``(kind, spec, reasoning)``; a spec that fails to compile
 is not cached (its error is cheap to find again). :func:`compiler_for` shares one
 compiler per (backend, tokenizer) in a process, so the engine's compile (while the
 request waits, before it is scheduled) is the in-process driver's cache hit.
@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pipeline.errors import InvalidRequestError
 from pipeline.grammar.backend import CompiledGrammar, GrammarBackend, TokenizerInfo
-from pipeline.structured_outputs import StructuredOutputsParams
+from pipeline.structured_outputs import GrammarKind, Reasoning, StructuredOutputsParams
 
 __all__ = [
     "BACKENDS",
@@ -37,7 +37,7 @@ BACKENDS = ("llguidance",)
 #: How long a request may wait for its grammar before it fails (seconds).
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
-_Key = tuple[str, str]
+_Key = tuple[GrammarKind, str, Reasoning | None]
 
 
 class CompileStats:
@@ -74,7 +74,7 @@ class GrammarCompiler:
 
     def cached(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
         """The compiled grammar of ``params`` if it is cached (counts a hit), else ``None``."""
-        key = (params.kind, params.spec)
+        key = params.key
         with self._lock:
             grammar = self._done.get(key)
             if grammar is not None:
@@ -86,7 +86,7 @@ class GrammarCompiler:
         """A future of ``params``' compiled grammar: done already when cached; one
         compile per spec however many requests ask for it at once. Its exception is an
         :class:`~pipeline.errors.InvalidRequestError` naming the field."""
-        key = (params.kind, params.spec)
+        key = params.key
         with self._lock:
             grammar = self._done.get(key)
             if grammar is not None:
@@ -118,10 +118,10 @@ class GrammarCompiler:
             raise timed_out(params, self.timeout_s) from None
 
     def _compile(self, key: _Key) -> CompiledGrammar:
-        kind, spec = key
+        kind, spec, reasoning = key
         start = time.perf_counter()
         try:
-            grammar = self.backend.compile(kind, spec)  # type: ignore[arg-type]
+            grammar = self.backend.compile(kind, spec, reasoning=reasoning)
         finally:
             seconds = time.perf_counter() - start
             with self._lock:

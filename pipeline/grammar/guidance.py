@@ -10,6 +10,7 @@ says.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from pipeline.grammar.backend import CompiledGrammar, Matcher, TokenizerInfo
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.structured_outputs import GrammarKind
+    from pipeline.structured_outputs import GrammarKind, Reasoning
 
 __all__ = ["GuidanceBackend"]
 
@@ -75,6 +76,23 @@ class _GuidanceGrammar:
         return _GuidanceMatcher(self._template.deep_copy())
 
 
+def _after_reasoning(grammar: str, reasoning: Reasoning) -> str:
+    """``grammar`` (llguidance's Lark text or its JSON of grammars) after a reasoning
+    section: free text up to ``</think>`` (a lazy rule: it ends at the first
+    ``</think>``), then ``grammar`` as a sub-grammar."""
+    if grammar.lstrip().startswith("{"):
+        entries = list(json.loads(grammar)["grammars"])
+    else:
+        entries = [{"lark_grammar": grammar}]
+    entries[0] = {**entries[0], "name": "constrained"}
+    if reasoning == "required":
+        start = 'start: "<think>"? think @constrained'
+    else:
+        start = 'start: ("<think>" think)? @constrained'
+    main = f'{start}\nthink[stop="</think>"]: /(?s:.*)/\n'
+    return json.dumps({"grammars": [{"lark_grammar": main}, *entries]})
+
+
 class GuidanceBackend:
     """llguidance over one tokenizer (built once per tokenizer: ~10 ms)."""
 
@@ -89,7 +107,9 @@ class GuidanceBackend:
             text, n_vocab=tokenizer.vocab_size, eos_token=tokenizer.eos_token_id
         )
 
-    def compile(self, kind: GrammarKind, spec: str) -> CompiledGrammar:
+    def compile(
+        self, kind: GrammarKind, spec: str, *, reasoning: Reasoning | None = None
+    ) -> CompiledGrammar:
         llg, what = self._llg, f"structured_outputs.{kind}"
         try:
             if kind in ("json", "json_object"):
@@ -102,6 +122,8 @@ class GuidanceBackend:
                 grammar = llg.grammar_from("choice", spec)
             else:
                 grammar = llg.grammar_from("grammar", spec)
+            if reasoning is not None:
+                grammar = _after_reasoning(grammar, reasoning)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(what, spec, f"does not compile: {exc}") from None
         error = llg.LLMatcher.validate_grammar(grammar, self._tokenizer)

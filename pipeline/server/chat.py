@@ -20,7 +20,8 @@ template; ``tool_choice`` ``"required"`` or a named function forces calls by gra
 ``"auto"`` reads them with the server's ``--tool-call-parser``; a choice with calls has
 ``message.tool_calls`` (streamed as ``delta.tool_calls``, each call whole once its text
 closes) and ``finish_reason: "tool_calls"``. With ``--reasoning-parser`` the thinking is
-``reasoning_content`` (:mod:`pipeline.server.chat_message`).
+``reasoning_content`` (:mod:`pipeline.server.chat_message`), and a constraint (a
+``response_format``, forced calls) applies to what follows it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from pipeline.server.reply import json_reply
 from pipeline.server.schemas import SharedFields, parse_shared_fields
 from pipeline.server.tool_parsers import TOOL_PARSERS, ToolParser
 from pipeline.server.tools import ToolRequest, forcing_parser, parse_tools
+from pipeline.structured_outputs import Reasoning
 
 if TYPE_CHECKING:
     from pipeline.server.app import ServerState
@@ -81,6 +83,7 @@ async def chat_completions(request: Request) -> Response:
         return model_not_found(state, fields.model)
     check_choices(state.options, state.max_num_seqs, fields.n, 1)
     params, calls = _tool_params(state, tools, fields.params)
+    params = _after_reasoning(state, params)
     text = render_chat(state.tokenizer, messages, tools.template_tools() if tools else None)
     prompt = await state.encoder.encode(text)
     check_prompt_logprobs(state.options, params.prompt_logprobs, [len(prompt)], fields.n)
@@ -174,6 +177,15 @@ def _tool_params(
             "structured_outputs",
         )
     return attrs.evolve(params, structured_outputs=spec), parser
+
+
+def _after_reasoning(state: ServerState, params: SamplingParams) -> SamplingParams:
+    """With a reasoning parser, a constraint applies after the model's thinking."""
+    spec, parser = params.structured_outputs, state.reasoning_parser
+    if spec is None or parser is None:
+        return params
+    reasoning: Reasoning = "required" if parser.implicit_open else "optional"
+    return attrs.evolve(params, structured_outputs=attrs.evolve(spec, reasoning=reasoning))
 
 
 def _reader(state: ServerState, calls: ToolParser | None) -> MessageReader | None:

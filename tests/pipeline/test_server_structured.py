@@ -399,3 +399,36 @@ class TestParsedOutputs:
             reply = await post(client, CHAT, {"messages": history, "tools": TOOLS,
                                               "tool_choice": "none", "max_tokens": 4})  # fmt: skip
         assert reply["usage"]["prompt_tokens"] > 100  # the tools and the turns are in it
+
+
+class TestConstraintsAfterReasoning:
+    @pytest.mark.anyio
+    @pytest.mark.parametrize(
+        ("parser", "thinking", "reasoning"),
+        [
+            ("deepseek_r1", "<think>Plan: an object.</think>", "Plan: an object."),
+            ("deepseek_r1", "Opened by the template.</think>", "Opened by the template."),
+            ("qwen3", "<think>Short plan.</think>", "Short plan."),
+            ("qwen3", "", None),
+        ],
+    )  # fmt: skip
+    async def test_the_schema_applies_after_the_thinking(
+        self, parser: str, thinking: str, reasoning: str | None
+    ) -> None:
+        """With a reasoning parser, a response_format constrains what follows the
+        thinking (scripted; after it the model writes freely, masked): the content is
+        valid, the thinking is reasoning_content, streamed or not."""
+        schema = {"type": "object", "properties": {"n": {"type": "integer"},
+                  "s": {"type": "string", "maxLength": 5}}, "required": ["n", "s"],
+                  "additionalProperties": False}  # fmt: skip
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        xargs = {**script(thinking), "then": "free"} if thinking else {"script": [], "then": "free"}
+        async with served(reasoning_parser=parser) as client:
+            for seed in range(3):
+                body = sampled(seed, response_format=fmt, vllm_xargs=xargs)
+                message = (await post(client, CHAT, body))["choices"][0]["message"]
+                chunks = await stream(client, body)
+                assert message["reasoning_content"] == reasoning
+                jsonschema.validate(json.loads(message["content"]), schema)
+                assert joined(chunks, "content") == message["content"]
+                assert joined(chunks, "reasoning_content") == (reasoning or "")
