@@ -14,8 +14,8 @@ Two measurements, on the embedded default model (``builtin:tiny``: random weight
   tests: nested objects, enums, arrays with ``maxItems``, bounded strings and integers),
   each compiled once with a fresh compiler (cold) and then again (cached): p50 and p99 ms.
 
-Per backend (``--backends``; a backend whose package is not installed is reported as
-such). JSON goes to ``benchmarks/results/structured.json``.
+Per backend (``--backends``, default both: llguidance and xgrammar; a backend whose
+package is not installed is reported as such). JSON goes to ``benchmarks/results/structured.json``.
 
     python benchmarks/structured.py [--concurrency 16] [--rounds 3] [--schemas 50]
 """
@@ -40,7 +40,7 @@ from _results import RESULTS, cpu, save
 
 from pipeline import AsyncEngine, EngineConfig, SamplingParams
 from pipeline.grammar.backend import TokenizerInfo
-from pipeline.grammar.compiler import GrammarCompiler
+from pipeline.grammar.compiler import BACKENDS, GrammarCompiler
 from pipeline.structured_outputs import StructuredOutputsParams
 
 MODEL = "builtin:tiny"
@@ -112,7 +112,8 @@ async def _run_batch(engine: AsyncEngine, params: list[SamplingParams]) -> list[
 
 async def _latency(concurrency: int, rounds: int, backend: str) -> dict[str, Any]:
     spec = StructuredOutputsParams(json=SCHEMA)
-    async with AsyncEngine(EngineConfig(model=MODEL, max_num_seqs=concurrency)) as engine:
+    config = EngineConfig(model=MODEL, max_num_seqs=concurrency, structured_outputs_backend=backend)
+    async with AsyncEngine(config) as engine:
         # Warm-up (compiles the schema, fills the inline-forward estimates).
         warm = [SamplingParams(max_tokens=400, seed=i, structured_outputs=spec) for i in range(2)]
         lengths = [n for n, _ in await _run_batch(engine, warm)]
@@ -162,7 +163,9 @@ def _compile_times(backend: str, schemas: int) -> dict[str, Any]:
 
         compiler = GrammarCompiler(GuidanceBackend(info), max_entries=schemas)
     else:
-        raise ValueError(backend)
+        from pipeline.grammar.xgrammar_backend import XGrammarBackend
+
+        compiler = GrammarCompiler(XGrammarBackend(info), max_entries=schemas)
     rng = random.Random(26)
     specs = [StructuredOutputsParams(json=random_schema(rng)) for _ in range(schemas)]
     cold, cached = [], []
@@ -185,7 +188,7 @@ def _compile_times(backend: str, schemas: int) -> dict[str, Any]:
 
 def _installed(backend: str) -> bool:
     try:
-        __import__({"llguidance": "llguidance"}[backend])
+        __import__(backend)
     except ImportError:
         return False
     return True
@@ -196,7 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--schemas", type=int, default=50)
-    parser.add_argument("--backends", nargs="+", default=["llguidance"], choices=["llguidance"])
+    parser.add_argument(
+        "--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS, help="absent: skipped"
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "structured.json")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []

@@ -52,6 +52,8 @@ __all__ = [
 EXECUTORS = ("inprocess", "multiproc", "ray")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+#: The grammar backends of structured outputs (``EngineConfig.structured_outputs_backend``).
+STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 INLINE_FORWARD_BELOW_S = 0.002
 """Default ``inline_forward_below_s``: passes shorter than a few thread hand-overs."""
 MAX_INLINE_FORWARD_BELOW_S = 1.0
@@ -270,6 +272,11 @@ class EngineConfig:
             With ``executor`` ``multiproc`` or ``ray`` a class is stored as its
             ``"module:qualname"`` path (the workers import it), so it must be defined at
             the top level of an importable module.
+        structured_outputs_backend: The grammar backend of structured outputs (vLLM's
+            ``structured_outputs_config.backend``): ``"llguidance"`` (the default,
+            ``kvstep[structured]``) or ``"xgrammar"`` (``pip install xgrammar``; JSON
+            schemas, regexes, choices and GBNF/EBNF grammars, not Lark, and no reasoning
+            section before the constrained output).
     """
 
     model: str = attrs.field(default="builtin:tiny", validator=_model)
@@ -308,6 +315,9 @@ class EngineConfig:
     engine_id: str | None = attrs.field(default=None, validator=_engine_id)
     logits_processors: tuple[LogitsProcessorEntry, ...] = attrs.field(
         default=(), converter=_entries
+    )
+    structured_outputs_backend: str = attrs.field(
+        default="llguidance", validator=_choice(STRUCTURED_OUTPUTS_BACKENDS)
     )
 
     def __attrs_post_init__(self) -> None:

@@ -43,11 +43,13 @@ def default_worker_graph(
     connector: KVConnectorWorker | None = None,
     finalizer_timeout_s: float = 30.0,
     tokenizer: TokenizerInfo | None = None,
+    grammar_backend: str = "llguidance",
 ) -> StepGraph:
     """The worker graph of one rank; rank 0 is the driver that samples.
 
     ``structured`` masks the rows of requests with ``structured_outputs`` to their
-    grammar (``tokenizer`` is what the grammars are compiled for); user logits stages
+    grammar (``tokenizer`` is what the grammars are compiled for, with
+    ``grammar_backend``); user logits stages
     inserted after ``logits`` come before it, so the mask has the last word.
 
     Finalizers: ``clear`` (mandatory: the connector's step metadata), then
@@ -60,7 +62,7 @@ def default_worker_graph(
             LoadStage(runner, connector),
             ForwardStage(runner, connector),
             LogitsAdjustStage(runner, driver=rank == 0),
-            StructuredOutputStage(GrammarRows(tokenizer)),
+            StructuredOutputStage(GrammarRows(tokenizer, grammar_backend)),
             SampleStage(runner, driver=rank == 0),
             SaveStage(connector),
             FinishedStage(rank, connector),

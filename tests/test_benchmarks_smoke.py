@@ -192,13 +192,18 @@ def _check_step_overhead(result: dict) -> None:
 
 
 def _check_structured(result: dict) -> None:
-    """The llguidance row has both latencies, their ratio and compile quantiles."""
-    (row,) = result["results"]
-    assert row["backend"] == "llguidance"
-    assert row["constrained_ms_per_token"] > 0 and row["unconstrained_ms_per_token"] > 0
-    assert row["ratio"] > 0
-    assert 0 < row["compile"]["cold_p50_ms"] <= row["compile"]["cold_p99_ms"]
-    assert 0 < row["compile"]["cached_p50_ms"] <= row["compile"]["cached_p99_ms"]
+    """Each backend's row (llguidance, and xgrammar unless it is not installed) has
+    both latencies, their ratio and compile quantiles."""
+    rows = {row["backend"]: row for row in result["results"]}
+    assert set(rows) == {"llguidance", "xgrammar"}
+    for row in rows.values():
+        if "skipped" in row:
+            assert row["backend"] == "xgrammar" and "not installed" in row["skipped"]
+            continue
+        assert row["constrained_ms_per_token"] > 0 and row["unconstrained_ms_per_token"] > 0
+        assert row["ratio"] > 0
+        assert 0 < row["compile"]["cold_p50_ms"] <= row["compile"]["cold_p99_ms"]
+        assert 0 < row["compile"]["cached_p50_ms"] <= row["compile"]["cached_p99_ms"]
 
 
 CHECKS = {

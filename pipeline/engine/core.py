@@ -236,7 +236,7 @@ class EngineCore:
             raise InvalidRequestError(
                 "structured_outputs", params, "needs a model with a tokenizer.json"
             )
-        compiler = compiler_for(self.grammar_tokenizer)
+        compiler = compiler_for(self.grammar_tokenizer, self.config.structured_outputs_backend)
         return compiler.submit(params), compiler.timeout_s
 
     def release_transfer(self, kv_transfer_params: object) -> bool:

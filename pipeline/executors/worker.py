@@ -286,6 +286,7 @@ def build_worker(
         tokenizer=tokenizer_info(
             config.model, runner.model_config.vocab_size, runner.model_config.eos_token_id
         ),
+        grammar_backend=config.structured_outputs_backend,
     )
     graph = with_logits_processors(graph, config)
     build = GraphBuild(

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 #: The grammar backends by name.
-BACKENDS = ("llguidance",)
+BACKENDS = ("llguidance", "xgrammar")
 #: How long a request may wait for its grammar before it fails (seconds).
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
@@ -155,4 +155,8 @@ def compiler_for(tokenizer: TokenizerInfo, backend: str = "llguidance") -> Gramm
         from pipeline.grammar.guidance import GuidanceBackend
 
         return GrammarCompiler(GuidanceBackend(tokenizer))
+    if backend == "xgrammar":
+        from pipeline.grammar.xgrammar_backend import XGrammarBackend
+
+        return GrammarCompiler(XGrammarBackend(tokenizer))
     raise InvalidRequestError("structured output backend", backend, f"must be one of {BACKENDS}")

@@ -9,6 +9,7 @@ stage makes the model write a given text.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
@@ -68,6 +69,15 @@ ADD = {
     },
 }
 TOOLS = [WEATHER, ADD]
+BACKENDS = [
+    "llguidance",
+    pytest.param(
+        "xgrammar",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed"
+        ),
+    ),
+]
 DEEP: list[Any] = [1]
 for _ in range(40):
     DEEP = [DEEP]
@@ -83,9 +93,13 @@ async def client_for(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @asynccontextmanager
-async def served(**options: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """A server on builtin:tiny with the scripting stage and ``options``."""
-    config = EngineConfig(model="builtin:tiny", dtype="float32", max_model_len=2048)
+async def served(backend: str = "llguidance", **options: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A server on builtin:tiny with the scripting stage, the grammar ``backend`` and
+    the server ``options``."""
+    config = EngineConfig(
+        model="builtin:tiny", dtype="float32", max_model_len=2048,
+        structured_outputs_backend=backend,
+    )  # fmt: skip
     graph = lambda g: g.insert_after("logits", ForceScript())  # noqa: E731
     async with (
         AsyncEngine(config, worker_graph=graph) as engine,
@@ -149,12 +163,13 @@ def streamed_calls(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class TestResponseFormat:
     @pytest.mark.anyio
+    @pytest.mark.parametrize("backend", BACKENDS)
     @pytest.mark.parametrize("path", [CMPL, CHAT])
-    async def test_json_schema_outputs_are_valid(self, path: str) -> None:
+    async def test_json_schema_outputs_are_valid(self, path: str, backend: str) -> None:
         """response_format json_schema at temperature 1: every output validates against
-        its schema (8 random schemas per endpoint), on both endpoints."""
+        its schema (8 random schemas per endpoint), on both endpoints, both backends."""
         rng = random.Random(f"http-{path}")
-        async with served() as client:
+        async with served(backend) as client:
             for seed in range(8):
                 schema = random_schema(rng)
                 fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}

@@ -8,6 +8,7 @@ schemas, ``re.fullmatch`` for regexes, membership for choices.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
@@ -24,6 +25,8 @@ from pipeline.errors import InvalidRequestError
 from pipeline.grammar.compiler import compiler_for
 from pipeline.request import RequestStatus
 from pipeline.structured_outputs import StructuredOutputsParams
+from pipeline.tokenizer import load_tokenizer
+from stages.model.builtin import tokenizer_dir
 from stages.model.builtin_tokenizer import VOCAB_SIZE
 from stages.scheduler.state import SchedulerState
 from stages.structured import tokenizer_info
@@ -40,9 +43,32 @@ def constrained(spec: StructuredOutputsParams, seed: int, **kw: Any) -> Sampling
     )  # fmt: skip
 
 
+BACKENDS = [
+    "llguidance",
+    pytest.param(
+        "xgrammar",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed"
+        ),
+    ),
+]
+# The same language in each backend's grammar syntax (xgrammar reads GBNF/EBNF, not Lark).
+CALC = {
+    "llguidance": 'start: "(" expr ")"\nexpr: NUM (("+" | "*") NUM)*\nNUM: /[1-9][0-9]?/',
+    "xgrammar": 'root ::= "(" num (("+" | "*") num)* ")"\nnum ::= [1-9] [0-9]?',
+}
+UNDEFINED = {"llguidance": "start: nothing_defined", "xgrammar": "root ::= nothing_defined"}
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(EngineConfig(model=MODEL))
+def llm(backend: str) -> LLM:
+    return LLM(EngineConfig(model=MODEL, structured_outputs_backend=backend))
 
 
 def test_thirty_random_json_schemas_all_valid(llm: LLM) -> None:
@@ -73,8 +99,9 @@ def test_regex_choice_and_json_object(llm: LLM) -> None:
         assert isinstance(json.loads(out.text), dict)
 
 
-def test_grammar_lark(llm: LLM) -> None:
-    grammar = 'start: "(" expr ")"\nexpr: NUM (("+" | "*") NUM)*\nNUM: /[1-9][0-9]?/'
+def test_grammar(llm: LLM, backend: str) -> None:
+    """A context-free grammar (Lark for llguidance, EBNF for xgrammar)."""
+    grammar = CALC[backend]
     params = [constrained(StructuredOutputsParams(grammar=grammar), seed=s) for s in range(5)]
     for out in llm.generate(["calc:"] * 5, params):
         assert re.fullmatch(r"\((?:[1-9][0-9]?)(?:[+*][1-9][0-9]?)*\)", out.text), out.text
@@ -93,11 +120,12 @@ def test_unconstrained_rows_unchanged_by_constrained_neighbours(llm: LLM) -> Non
         jsonschema.validate(json.loads(out.text), schema)
 
 
-def test_bad_specs_fail_alone_naming_the_field(llm: LLM) -> None:
+def test_bad_specs_fail_alone_naming_the_field(llm: LLM, backend: str) -> None:
+    compiler = compiler_for(tokenizer_info(MODEL, VOCAB_SIZE, 2), backend)
     with pytest.raises(InvalidRequestError, match=r"structured_outputs\.regex.*does not compile"):
-        compiler_for(tokenizer_info(MODEL, VOCAB_SIZE, 2)).get(StructuredOutputsParams(regex="a[b"))
+        compiler.get(StructuredOutputsParams(regex="a[b"))
     good = SamplingParams(max_tokens=8, seed=1)
-    bad = constrained(StructuredOutputsParams(grammar="start: nothing_defined"), seed=1)
+    bad = constrained(StructuredOutputsParams(grammar=UNDEFINED[backend]), seed=1)
     try:
         outs = llm.generate(["x", "y"], [good, bad])
     except InvalidRequestError as exc:  # a compile that finished at once fails at admission
@@ -108,7 +136,9 @@ def test_bad_specs_fail_alone_naming_the_field(llm: LLM) -> None:
         assert "structured_outputs.grammar" in (outs[1].error or "")
 
 
-def test_preempted_constrained_request_stays_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preempted_constrained_request_stays_valid(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
     """A KV pool so small that running requests are preempted and recomputed: each
     matcher is rebuilt from the accepted tokens and every output stays valid."""
     preempted: list[str] = []
@@ -119,7 +149,10 @@ def test_preempted_constrained_request_stays_valid(monkeypatch: pytest.MonkeyPat
         preempt(self, request)
 
     monkeypatch.setattr(SchedulerState, "preempt", counting)
-    config = EngineConfig(model=MODEL, num_gpu_blocks=12, block_size=16, max_num_seqs=4)
+    config = EngineConfig(
+        model=MODEL, num_gpu_blocks=12, block_size=16, max_num_seqs=4,
+        structured_outputs_backend=backend,
+    )  # fmt: skip
     llm = LLM(config)
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 30},
               "t": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -135,12 +168,14 @@ def test_preempted_constrained_request_stays_valid(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_async_engine_compiles_while_others_run(async_scheduling: bool) -> None:
+def test_async_engine_compiles_while_others_run(async_scheduling: bool, backend: str) -> None:
     """The grammar compiles off the loop while the request waits in
     ``WAITING_FOR_GRAMMAR``; an unconstrained request admitted at the same time runs."""
 
     async def main() -> None:
-        config = EngineConfig(model=MODEL, async_scheduling=async_scheduling)
+        config = EngineConfig(
+            model=MODEL, async_scheduling=async_scheduling, structured_outputs_backend=backend
+        )
         async with AsyncEngine(config) as engine:
             # A spec no other test compiles: a cache miss.
             schema = {
@@ -170,8 +205,10 @@ def test_async_engine_compiles_while_others_run(async_scheduling: bool) -> None:
     anyio.run(main)
 
 
-def test_multiproc_two_ranks_driver_masks() -> None:
-    config = EngineConfig(model=MODEL, world_size=2, executor="multiproc")
+def test_multiproc_two_ranks_driver_masks(backend: str) -> None:
+    config = EngineConfig(
+        model=MODEL, world_size=2, executor="multiproc", structured_outputs_backend=backend
+    )
     llm = LLM(config)
     try:
         schema = {"type": "object", "properties": {"q": {"type": "integer", "minimum": 1,
@@ -194,3 +231,24 @@ def test_no_token_allowed_fails_alone(llm: LLM) -> None:
     assert outs[0].finish_reason == "length"
     assert outs[1].finish_reason == "error"
     assert outs[1].error
+
+
+def test_reasoning_before_the_constraint(backend: str) -> None:
+    """llguidance lets a <think> section come first (free text up to the first
+    </think>, then the schema); xgrammar has no lazy rule and refuses it, naming the
+    field."""
+    compiler = compiler_for(tokenizer_info(MODEL, VOCAB_SIZE, 2), backend)
+    spec = StructuredOutputsParams(json={"type": "integer"}, reasoning="required")
+    if backend == "xgrammar":
+        with pytest.raises(InvalidRequestError, match=r"structured_outputs\.reasoning"):
+            compiler.get(spec)
+        return
+    tokenizer = load_tokenizer(tokenizer_dir(MODEL))
+    assert tokenizer is not None
+    texts = [
+        "<think>a {b} </thin</think>12",
+        "opened by the template</think>7",
+        "<think>x</think>ab",
+    ]
+    accepted = [compiler.get(spec).matcher().accept(tokenizer.encode(t)) for t in texts]
+    assert accepted == [True, True, False]
