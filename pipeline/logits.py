@@ -198,16 +198,31 @@ class Logits:
         and then raises leaves those changes in the rows it is then called on again
         alone (no copy is made on the common path, where nothing raises): write a stage
         that checks before it writes. Blocks: runs on the compute thread.
+
+        ``apply`` runs under ``torch.inference_mode()``, as the forward pass that made
+        the logits (an inference tensor): it may change them in place.
         """
         tensor = self.tensor
         if tensor is None or not len(self.batch):
             return self
-        try:
-            return Logits(
-                _checked(stage, apply(tensor, self.batch), tensor), self.batch, self.failed
-            )
-        except Exception:
-            pass  # find the rows that fail on their own
+        import torch
+
+        with torch.inference_mode():
+            try:
+                return Logits(
+                    _checked(stage, apply(tensor, self.batch), tensor), self.batch, self.failed
+                )
+            except Exception:
+                pass  # find the rows that fail on their own
+            return self._row_by_row(stage, apply, tensor)
+
+    def _row_by_row(
+        self,
+        stage: str,
+        apply: Callable[[torch.Tensor, LogitsBatch], torch.Tensor],
+        tensor: torch.Tensor,
+    ) -> Logits:
+        """:meth:`amend`'s second pass: each row alone; the rows that fail are failed."""
         rows, failed = [], dict(self.failed)
         for i, req_id in enumerate(self.batch.req_ids):
             if req_id in failed:

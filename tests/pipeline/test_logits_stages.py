@@ -184,3 +184,29 @@ class TestOneHop:
         (build,) = got
         assert (build.rank, build.world_size, build.runner) == (0, 1, runner)
         assert build.config.model == "builtin:tiny" and build.connector is None
+
+
+@attrs.frozen
+class InPlace(LogitsStage):
+    """Writes every row in place (as Ban, ForceToken and the structured mask do) and
+    records the batch size of each call."""
+
+    name: ClassVar[str] = "in_place"
+    sizes: list[int] = attrs.field(factory=list)
+
+    def apply(self, logits: torch.Tensor, batch: LogitsBatch) -> torch.Tensor:
+        self.sizes.append(len(batch))
+        logits[:, 0] = float("-inf")
+        return logits
+
+
+def test_an_in_place_stage_gets_the_whole_batch_once() -> None:
+    """The logits of a forward pass are inference tensors: a stage that writes them in
+    place runs on the whole batch in one call per step (under inference mode), never
+    falls back to one call per row, and no row fails."""
+    stage = InPlace()
+    with LLM(_config(), worker_graph=lambda g: g.insert_after("logits", stage)) as llm:
+        outs = llm.generate(PROMPTS, [_params(seed=i) for i in range(len(PROMPTS))])
+    assert all(out.finish_reason == "length" and 0 not in out.token_ids for out in outs)
+    assert len(stage.sizes) == 6  # one call per step: every row samples in every step
+    assert set(stage.sizes) == {len(PROMPTS)}
