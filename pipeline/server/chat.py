@@ -57,7 +57,7 @@ from pipeline.server.prompt_field import fit_max_tokens
 from pipeline.server.reply import json_reply
 from pipeline.server.schemas import SharedFields, parse_shared_fields
 from pipeline.server.tool_parsers import TOOL_PARSERS, ToolParser
-from pipeline.server.tools import ToolRequest, forcing_parser, parse_tools
+from pipeline.server.tools import LARK_BACKENDS, ToolRequest, forcing_parser, parse_tools
 from pipeline.structured_outputs import Reasoning
 
 if TYPE_CHECKING:
@@ -167,8 +167,9 @@ def _tool_params(
                 f"({', '.join(sorted(TOOL_PARSERS))}), or use required or a named function",
             )
         return params, state.tool_parser
-    parser = forcing_parser(state.tool_parser)
-    spec = tools.forcing_spec(parser)
+    backend = state.running_engine().config.structured_outputs_backend
+    parser = forcing_parser(state.tool_parser, backend)
+    spec = tools.forcing_spec(parser, lark=backend in LARK_BACKENDS)
     if params.structured_outputs is not None:
         raise InvalidRequestError(
             "tool_choice",

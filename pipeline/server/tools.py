@@ -10,7 +10,9 @@ uses three ways:
   :meth:`ToolRequest.forcing_spec` is a grammar, in the server's tool-call format, of
   outputs that are calls only (to the named function, or to any of the tools; one call,
   or several when ``parallel_tool_calls``), each call's arguments valid against that
-  tool's ``parameters``. The ``structured`` logits stage then keeps the model inside it;
+  tool's ``parameters``. The ``structured`` logits stage then keeps the model inside it
+  (with the xgrammar backend, which reads no Lark: one call, as a JSON object in
+  llama3_json's format ``{"name": ..., "parameters": {...}}``);
 - reading: ``"auto"``, ``"required"`` and named choices parse the output with the
   server's tool-call parser (:mod:`pipeline.server.tool_parsers`) into
   ``message.tool_calls``; ``"none"`` leaves the output as content.
@@ -42,6 +44,9 @@ MAX_TOOLS: Final = 128
 BODY_FIELDS: Final = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 #: The format of forced calls when the server has no tool-call parser.
 DEFAULT_FORMAT: Final = "hermes"
+#: The grammar backends that read Lark (with llguidance's ``%json``): forced calls in
+#: the parser's own format; with the others, one JSON call object.
+LARK_BACKENDS: Final = frozenset({"llguidance"})
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
 _ANY_OBJECT: Final[Mapping[str, Any]] = {"type": "object"}
@@ -106,9 +111,13 @@ class ToolRequest:
         """The chat template's ``tools`` (``None`` when the request gave none)."""
         return [tool.to_json() for tool in self.tools] if self.tools else None
 
-    def forcing_spec(self, parser: ToolParser) -> StructuredOutputsParams | None:
+    def forcing_spec(
+        self, parser: ToolParser, *, lark: bool = True
+    ) -> StructuredOutputsParams | None:
         """The grammar of outputs that are :attr:`forced` calls in ``parser``'s format,
-        or ``None`` when nothing is forced.
+        or ``None`` when nothing is forced. Without ``lark`` (a grammar backend that
+        reads no Lark: xgrammar) it is the JSON schema of one call object, the whole
+        output, whatever ``parallel`` says.
 
         Raises:
             InvalidRequestError: The grammar is over the size a spec may have (too many
@@ -128,16 +137,21 @@ class ToolRequest:
             for tool in forced
         ]
         schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-        schema["x-guidance"] = {"whitespace_flexible": False}
-        grammar = parser.forcing_grammar(json.dumps(schema), parallel=self.parallel)
         try:
+            if not lark:
+                return StructuredOutputsParams(json=schema)
+            schema["x-guidance"] = {"whitespace_flexible": False}
+            grammar = parser.forcing_grammar(json.dumps(schema), parallel=self.parallel)
             return StructuredOutputsParams(grammar=grammar)
         except InvalidRequestError as exc:
             raise InvalidRequestError("tools", f"<{len(forced)} tools>", exc.allowed) from None
 
 
-def forcing_parser(configured: ToolParser | None) -> ToolParser:
-    """The format forced calls are written in: the server's parser, else hermes'."""
+def forcing_parser(configured: ToolParser | None, grammar_backend: str) -> ToolParser:
+    """The format forced calls are written in: the server's parser, else hermes'; with a
+    grammar backend that reads no Lark, one JSON call object (llama3_json's format)."""
+    if grammar_backend not in LARK_BACKENDS:
+        return TOOL_PARSERS["llama3_json"](max_calls=1)
     return configured if configured is not None else TOOL_PARSERS[DEFAULT_FORMAT]()
 
 

@@ -1,10 +1,12 @@
 """Acceptance (issue 26): structured outputs and tool calls through the official ``openai``
 client against a real ``kvstep serve`` on ``builtin:tiny`` (random weights: only the
-grammar can make an output valid), checked by oracles that are not the backend."""
+grammar can make an output valid), checked by oracles that are not the backend; once per
+grammar backend (llguidance, xgrammar)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import random
 import re
@@ -40,10 +42,22 @@ ADD = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("openai-structured") / "server.log"
-    with run_server(MODEL, log, ["--max-model-len", "1024", "--tool-call-parser", "hermes"]) as s:
+NEEDS_XGRAMMAR = pytest.mark.skipif(
+    importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed"
+)
+
+
+@pytest.fixture(
+    scope="module", params=["llguidance", pytest.param("xgrammar", marks=NEEDS_XGRAMMAR)]
+)
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A server of each grammar backend."""
+    log = tmp_path_factory.mktemp(f"openai-structured-{request.param}") / "server.log"
+    flags = ["--max-model-len", "1024", "--tool-call-parser", "hermes"]
+    flags += ["--structured-outputs-backend", request.param]
+    with run_server(MODEL, log, flags) as s:
         yield s
 
 

@@ -69,15 +69,10 @@ ADD = {
     },
 }
 TOOLS = [WEATHER, ADD]
-BACKENDS = [
-    "llguidance",
-    pytest.param(
-        "xgrammar",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed"
-        ),
-    ),
-]
+NEEDS_XGRAMMAR = pytest.mark.skipif(
+    importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed"
+)
+BACKENDS = ["llguidance", pytest.param("xgrammar", marks=NEEDS_XGRAMMAR)]
 DEEP: list[Any] = [1]
 for _ in range(40):
     DEEP = [DEEP]
@@ -264,13 +259,19 @@ class TestResponseFormat:
 
 class TestForcedToolCalls:
     @pytest.mark.anyio
-    @pytest.mark.parametrize("parser", [None, "hermes", "llama3_json"])
-    async def test_required_calls_validate_stream_and_not(self, parser: str | None) -> None:
+    @pytest.mark.parametrize(
+        ("parser", "backend"),
+        [(None, "llguidance"), ("hermes", "llguidance"), ("llama3_json", "llguidance"),
+         pytest.param("hermes", "xgrammar", marks=NEEDS_XGRAMMAR)],
+    )  # fmt: skip
+    async def test_required_calls_validate_stream_and_not(
+        self, parser: str | None, backend: str
+    ) -> None:
         """tool_choice required: each answer is only tool calls to the given tools, each
         call's arguments valid against the tool's parameters; finish_reason tool_calls;
         the stream's calls are the same calls. In the server's parser's format (hermes'
-        without one)."""
-        async with served(tool_call_parser=parser) as client:
+        without one); with xgrammar, one JSON call."""
+        async with served(backend, tool_call_parser=parser) as client:
             for seed in range(4):
                 # random weights call again about every other time: room for ~25 calls
                 body = sampled(seed, tools=TOOLS, tool_choice="required", max_tokens=1400)
