@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -11,20 +10,12 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from starlette.applications import Starlette
+
+from asgi_client import client_for
 
 from pipeline import AsyncEngine, EngineConfig, SamplingParams
 from pipeline.kernel.report import StageRecord, StepReport
 from pipeline.server import LoopLagMonitor, ServerMetrics, create_app
-
-
-@asynccontextmanager
-async def client_for(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    """An httpx client talking to ``app`` in process, its lifespan open."""
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvstep") as client:
-            yield client
 
 
 @pytest.fixture

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,8 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("jinja2")
 
+from asgi_client import client_for
 from server_process import ServerProcess, run_server
-from starlette.applications import Starlette
 
 from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.server import create_app
@@ -36,14 +35,6 @@ NORMALISED = [
     {"role": "user", "content": "hello\nworld"},
 ]
 MAX_TOKENS = 8
-
-
-@asynccontextmanager
-async def client_for(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvstep") as client:
-            yield client
 
 
 def _config(model: str = "builtin:tiny") -> EngineConfig:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,8 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("jinja2")
 
-from starlette.applications import Starlette
+
+from asgi_client import client_for
 
 from pipeline import AsyncEngine, EngineConfig
 from pipeline.logprobs import TokenLogprob
@@ -30,14 +29,6 @@ PROMPT = "hello world"
 MESSAGES = [{"role": "user", "content": "hi"}]
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
-
-
-@asynccontextmanager
-async def client_for(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvstep") as client:
-            yield client
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("llguidance")
 
+from asgi_client import client_for
 from scripted_output import ForceScript
-from starlette.applications import Starlette
 from structured_schemas import random_schema
 
 from pipeline import AsyncEngine, EngineConfig
@@ -77,14 +77,6 @@ DEEP: list[Any] = [1]
 for _ in range(40):
     DEEP = [DEEP]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
-
-
-@asynccontextmanager
-async def client_for(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvstep") as client:
-            yield client
 
 
 @asynccontextmanager

@@ -3,17 +3,15 @@ stages become ``SamplingParams.extra_args``; a bad value is a 400 naming ``vllm_
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 import pytest
 
 pytest.importorskip("starlette")
 pytest.importorskip("jinja2")
 
-from starlette.applications import Starlette
+
+from asgi_client import client_for
 
 from pipeline import AsyncEngine, EngineConfig, SamplingParams
 from pipeline.sampling_params import MAX_EXTRA_ARGS_BYTES, MAX_EXTRA_ARGS_KEYS
@@ -21,14 +19,6 @@ from pipeline.server import create_app
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
-
-
-@asynccontextmanager
-async def client_for(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvstep") as client:
-            yield client
 
 
 @pytest.fixture
