@@ -45,12 +45,16 @@ class LoadedModel:
         weights_id: A sha256 hex digest identifying config + weights (see
             :func:`weights_identity`); that of the whole checkpoint, the same on every
             tensor-parallel rank.
+        linear_kernel: The kernel the decoder's projections run on
+            (:mod:`stages.model.linear_kernels`): ``"mkl"`` as loaded, or the one
+            :func:`~stages.model.runner_parts.load_parts` chose.
     """
 
     model: CausalLM
     config: ModelConfig
     path: Path
     weights_id: str
+    linear_kernel: str = "mkl"
 
 
 def checkpoint_files(path: Path) -> list[Path]:

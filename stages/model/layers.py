@@ -30,6 +30,7 @@ __all__ = [
     "Projection",
     "RMSNorm",
     "attend",
+    "forget_references",
     "rms_norm",
     "swiglu",
 ]
@@ -81,6 +82,14 @@ def _count_assignment(module: nn.Module, name: str, param: nn.Parameter | None) 
 
 
 register_module_parameter_registration_hook(_count_assignment)
+
+
+def forget_references(model: nn.Module) -> None:
+    """Make each decoder layer of ``model`` take its references again at its next call
+    (after its projections were replaced by other modules, which is not an assignment)."""
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            module._refs_cache = None
 
 
 def assignments() -> int:

@@ -50,8 +50,10 @@ class ModelRunner:
     """Runs the model over one step's batch and samples from its logits.
 
     Build it with :meth:`load`. Attributes ``settings``, ``model_config``, ``device``,
-    ``dtype``, ``block_size``, ``num_blocks``, ``kv_caches``, ``fingerprint`` and ``tp``
-    (how the model is sharded: ``TensorParallel()`` for a whole model) are read-only.
+    ``dtype``, ``block_size``, ``num_blocks``, ``kv_caches``, ``fingerprint``, ``tp``
+    (how the model is sharded: ``TensorParallel()`` for a whole model) and
+    ``linear_kernel`` (what the projections run on, :mod:`stages.model.linear_kernels`)
+    are read-only.
     """
 
     def __init__(self, parts: RunnerParts, *, compute: Compute | None = None) -> None:
@@ -61,6 +63,7 @@ class ModelRunner:
         self._loaded = loaded
         self.model: CausalLM = loaded.model
         self.model_config: ModelConfig = loaded.config
+        self.linear_kernel: str = loaded.linear_kernel
         self.device = parts.device
         self.dtype = parts.dtype
         self.block_size = settings.block_size

@@ -24,6 +24,7 @@ from stages.model.checkpoint import LoadedModel, load_model
 from stages.model.config import load_model_config
 from stages.model.cuda_graphs import GraphCapture
 from stages.model.kv_cache import default_num_blocks, kv_cache_block_bytes
+from stages.model.linear_kernels import apply_kernel, choose_kernel
 from stages.model.parallel import UNSHARDED, TensorParallel, check_tp_divisible
 from stages.model.settings import RunnerSettings
 
@@ -155,6 +156,21 @@ def _shared(
     return other.loaded
 
 
+def _on_fastest_kernel(loaded: LoadedModel, dev: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """``loaded`` with its projections on the kernel :func:`choose_kernel` picks (timed on
+    this machine, or forced by ``$KVSTEP_LINEAR_KERNEL``); CPU models only."""
+    choice = choose_kernel(loaded.model, dev, dtype)
+    apply_kernel(loaded.model, choice.kernel)
+    log.info(
+        "linear_kernel_chosen",
+        kernel=choice.kernel,
+        forced=choice.forced,
+        seconds=dict(choice.seconds),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    return attrs.evolve(loaded, linear_kernel=choice.kernel)
+
+
 def load_parts(
     settings: RunnerSettings,
     *,
@@ -206,6 +222,7 @@ def load_parts(
         loaded = load_model(
             path, dtype=torch_dtype, device=dev, max_len=max_model_len, config=config, tp=tp
         )
+        loaded = _on_fastest_kernel(loaded, dev, torch_dtype)
     num_blocks = settings.num_blocks
     if num_blocks is None:
         num_blocks = default_num_blocks(
@@ -228,6 +245,7 @@ def load_parts(
         rank=rank,
         shared=shared_model is not None,
         tp_size=tp.size,
+        linear_kernel=loaded.linear_kernel,
     )
     return RunnerParts(
         settings=settings,

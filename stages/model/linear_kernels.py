@@ -1,0 +1,219 @@
+"""The kernel a CPU model's linear layers run on, chosen by timing them on this machine.
+
+The right GEMM for a CPU depends on the CPU (issue 27's measurements): on an AMD Zen 3
+(AVX2) torch's ``F.linear`` (MKL) was the fastest; on AVX-512 machines oneDNN with the
+weight prepacked into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` and
+``_linear_pointwise``, what inductor's CPU freezing and vLLM-CPU use) beats it for large
+row counts, and in bf16 on a CPU with AMX it is the fastest at every row count (batch-1
+``F.linear`` in bf16 is slower than fp32 there). So nothing is assumed: at load,
+:func:`choose_kernel` times each candidate on the model's own projection shapes, at one
+row (a decode step) and at a prefill chunk, and :func:`apply_kernel` puts the decoder's
+projections on the winner.
+
+Candidates (:data:`KERNELS`):
+
+- ``"mkl"``: ``F.linear`` on the checkpoint's weight, as loaded (always available);
+- ``"onednn"``: the weight prepacked once by oneDNN (the packed copy replaces the
+  loaded one: no second copy is kept), on a CPU whose torch has oneDNN.
+
+``KVSTEP_LINEAR_KERNEL`` (``auto``, the default, or a kernel's name) forces the choice,
+for tests and for measuring; a forced kernel this machine lacks is an
+:class:`~pipeline.errors.InvalidConfigError`. Only CPU models are touched, and only the
+decoder layers' plain projections (``q/k/v/o`` and ``gate/up/down``; a row-parallel
+projection, which all-reduces, and the ``lm_head``, which may be tied to the
+embeddings, stay as they are).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Final
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.errors import InvalidConfigError
+
+__all__ = [
+    "ENV",
+    "KERNELS",
+    "KernelChoice",
+    "PackedLinear",
+    "apply_kernel",
+    "available_kernels",
+    "choose_kernel",
+    "requested_kernel",
+]
+
+#: The environment variable that forces a kernel (``auto``: time them).
+ENV: Final = "KVSTEP_LINEAR_KERNEL"
+#: Every candidate, in order of preference on a tie.
+KERNELS: Final = ("mkl", "onednn")
+#: Rows of the prefill-sized timing (a chunk of a long prompt).
+PREFILL_ROWS: Final = 256
+_REPEATS = 5
+
+
+def _onednn_ops() -> bool:
+    ops = torch.ops.mkldnn
+    return bool(
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+def available_kernels(device: torch.device) -> tuple[str, ...]:
+    """The candidates this torch offers on ``device`` (only ``"mkl"`` off the CPU)."""
+    if device.type != "cpu" or not _onednn_ops():
+        return ("mkl",)
+    return KERNELS
+
+
+def requested_kernel() -> str:
+    """``$KVSTEP_LINEAR_KERNEL`` (``"auto"`` when unset).
+
+    Raises:
+        InvalidConfigError: A value that is not ``auto`` or a kernel's name.
+    """
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value != "auto" and value not in KERNELS:
+        raise InvalidConfigError(ENV, value, f"must be auto or one of {', '.join(KERNELS)}")
+    return value
+
+
+class PackedLinear(nn.Module):
+    """A linear layer on oneDNN with its weight prepacked (``y = x W^T + b``).
+
+    Args:
+        linear: The layer to replace; its weight is packed once (the module keeps no
+            reference to the original).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        with torch.no_grad():
+            weight = linear.weight.detach()
+            self.in_features = linear.in_features
+            self.out_features = linear.out_features
+            self.register_buffer(
+                "packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False
+            )
+            bias = None if linear.bias is None else linear.bias.detach().clone()
+            self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, "none", [], ""
+        )
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+
+
+@attrs.frozen
+class KernelChoice:
+    """What :func:`choose_kernel` decided.
+
+    Attributes:
+        kernel: The kernel the projections run on.
+        forced: Whether ``$KVSTEP_LINEAR_KERNEL`` named it (no timing then).
+        seconds: Per candidate, the summed time of one decode row plus one prefill
+            chunk over the model's projection shapes (empty when forced or alone).
+    """
+
+    kernel: str
+    forced: bool = False
+    seconds: Mapping[str, float] = attrs.field(factory=dict)
+
+
+def _projections(model: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear]]:
+    """``(parent, name, linear)`` for each plain ``nn.Linear`` of the decoder layers."""
+    layers = getattr(getattr(model, "model", model), "layers", ())
+    for layer in layers:
+        for parent in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
+            if parent is None:
+                continue
+            for name, child in parent.named_children():
+                if type(child) is nn.Linear:
+                    yield parent, name, child
+
+
+def _best_of(fn: Callable[[], object]) -> float:
+    fn()  # warm-up: first-call allocations, oneDNN primitive creation
+    best = float("inf")
+    for _ in range(_REPEATS):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _time(kernel: str, shapes: Mapping[tuple[int, int], int], dtype: torch.dtype) -> float:
+    total = 0.0
+    with torch.inference_mode():
+        for (out_f, in_f), count in shapes.items():
+            linear = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+            packed = PackedLinear(linear) if kernel == "onednn" else None
+            weight = linear.weight.detach()
+            for rows in (1, PREFILL_ROWS):
+                x = torch.randn(rows, in_f, dtype=dtype)
+                if packed is not None:
+                    total += count * _best_of(functools.partial(packed, x))
+                else:
+                    total += count * _best_of(functools.partial(F.linear, x, weight))
+    return total
+
+
+def choose_kernel(model: nn.Module, device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """The kernel for ``model``'s projections: forced by ``$KVSTEP_LINEAR_KERNEL``, else
+    the candidate with the least time over the model's projection shapes (each shape
+    weighted by how many projections have it) at one row and at a prefill chunk.
+
+    Raises:
+        InvalidConfigError: A forced kernel this machine does not have.
+    """
+    available = available_kernels(device)
+    wanted = requested_kernel()
+    if wanted != "auto":
+        if wanted not in available:
+            raise InvalidConfigError(
+                ENV, wanted, f"is not available here; available: {', '.join(available)}"
+            )
+        return KernelChoice(wanted, forced=True)
+    if len(available) == 1:
+        return KernelChoice(available[0])
+    shapes: dict[tuple[int, int], int] = {}
+    for _, _, linear in _projections(model):
+        key = (linear.out_features, linear.in_features)
+        shapes[key] = shapes.get(key, 0) + 1
+    if not shapes:
+        return KernelChoice("mkl")
+    seconds = {kernel: _time(kernel, shapes, dtype) for kernel in available}
+    best = min(available, key=lambda kernel: seconds[kernel])  # ties: the earlier one
+    return KernelChoice(best, seconds={k: round(v, 6) for k, v in seconds.items()})
+
+
+def apply_kernel(model: nn.Module, kernel: str) -> int:
+    """Put ``model``'s decoder projections on ``kernel``; the number of layers changed.
+
+    ``"mkl"`` changes nothing. ``"onednn"`` replaces each plain projection by a
+    :class:`PackedLinear` holding the packed weight (the loaded weight is released).
+    Call before the first forward pass (the layers take their projections then).
+    """
+    if kernel == "mkl":
+        return 0
+    from stages.model.layers import forget_references
+
+    changed = 0
+    for parent, name, linear in list(_projections(model)):
+        setattr(parent, name, PackedLinear(linear))
+        changed += 1
+    forget_references(model)
+    return changed

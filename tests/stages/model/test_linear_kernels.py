@@ -1,0 +1,112 @@
+"""The linear kernel of a CPU model (issue 27): chosen by timing or forced by
+``KVSTEP_LINEAR_KERNEL``; every kernel keeps transformers' logits and greedy tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_forward_bf16 import BATCH, NEW_TOKENS, _hf_greedy
+from test_forward_logits import _check_against_hf
+from torch import nn
+
+from pipeline import LLM, EngineConfig, SamplingParams
+from pipeline.errors import InvalidConfigError
+from stages.model import ModelRunner
+from stages.model import linear_kernels as lk
+
+HFGet = Callable[[str], tuple[Any, Path]]
+CPU = torch.device("cpu")
+ONEDNN = pytest.mark.skipif("onednn" not in lk.available_kernels(CPU), reason="no oneDNN")
+
+
+class TestPackedLinear:
+    @ONEDNN
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("bias", [False, True])
+    def test_equals_f_linear(self, dtype: torch.dtype, bias: bool) -> None:
+        """A prepacked layer gives F.linear's output (fp32 to rounding), any row count."""
+        torch.manual_seed(0)
+        linear = nn.Linear(64, 96, bias=bias, dtype=dtype)
+        packed = lk.PackedLinear(linear)
+        for rows in (1, 7, 300):
+            x = torch.randn(rows, 64, dtype=dtype)
+            with torch.inference_mode():
+                got, want = packed(x), linear(x)
+            assert got.dtype == dtype and got.shape == want.shape
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+class TestChoice:
+    def test_forced_by_the_environment(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """KVSTEP_LINEAR_KERNEL names the kernel; no timing is done."""
+        monkeypatch.setenv(lk.ENV, "mkl")
+        choice = lk.choose_kernel(nn.Module(), CPU, torch.float32)
+        assert (choice.kernel, choice.forced, dict(choice.seconds)) == ("mkl", True, {})
+
+    @pytest.mark.parametrize("value", ["fast", "cuBLAS", "1"])
+    def test_an_unknown_kernel_is_refused(
+        self, monkeypatch: pytest.MonkeyPatch, value: str
+    ) -> None:
+        monkeypatch.setenv(lk.ENV, value)
+        with pytest.raises(InvalidConfigError, match=lk.ENV):
+            lk.choose_kernel(nn.Module(), CPU, torch.float32)
+
+    def test_a_kernel_this_machine_lacks_is_refused(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Forcing oneDNN where it is not available names what is."""
+        monkeypatch.setenv(lk.ENV, "onednn")
+        monkeypatch.setattr(lk, "available_kernels", lambda device: ("mkl",))
+        with pytest.raises(InvalidConfigError, match="available: mkl"):
+            lk.choose_kernel(nn.Module(), CPU, torch.float32)
+
+    @ONEDNN
+    def test_auto_times_every_candidate(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Unforced, each candidate is timed on the model's shapes and the fastest wins."""
+        monkeypatch.delenv(lk.ENV, raising=False)
+        runner = ModelRunner.load("builtin:tiny", dtype="float32", device="cpu", num_blocks=8)
+        try:
+            choice = lk.choose_kernel(runner.model, CPU, torch.float32)
+        finally:
+            runner.close()
+        assert set(choice.seconds) == set(lk.KERNELS) and not choice.forced
+        assert choice.kernel == min(choice.seconds, key=lambda k: choice.seconds[k])
+
+
+@ONEDNN
+@pytest.mark.parametrize("kernel", lk.KERNELS)
+class TestEveryKernelKeepsTransformersResults:
+    def test_fp32_logits(
+        self, hf_checkpoint: HFGet, step_driver: Any, kernel: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Chunked prefill and decode logits within 1e-4 of transformers', greedy tokens
+        equal, with the kernel forced; the runner reports it."""
+        monkeypatch.setenv(lk.ENV, kernel)
+        for variant in ("llama_gqa", "llama_bias_head_dim", "qwen2_tied"):
+            _check_against_hf(hf_checkpoint, step_driver, variant, chunk=48)
+        runner = ModelRunner.load("builtin:tiny", dtype="float32", device="cpu", num_blocks=8)
+        try:
+            assert runner.linear_kernel == kernel
+            packed = [m for m in runner.model.modules() if isinstance(m, lk.PackedLinear)]
+            assert bool(packed) == (kernel == "onednn")
+        finally:
+            runner.close()
+
+    def test_bf16_greedy_tokens(
+        self, hf_checkpoint: HFGet, kernel: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """bfloat16 greedy tokens equal transformers' bfloat16 with the kernel forced."""
+        monkeypatch.setenv(lk.ENV, kernel)
+        _, path = hf_checkpoint("llama_gqa")
+        gen = torch.Generator().manual_seed(3)
+        batches = [torch.randint(1, 256, (BATCH, n), generator=gen) for n in (7, 33)]
+        config = EngineConfig(
+            model=str(path), dtype="bfloat16", max_model_len=512, enable_prefix_caching=False
+        )
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        with LLM(config) as llm:
+            ours = [[list(o.token_ids) for o in llm.generate(b.tolist(), params)] for b in batches]
+        assert ours == [_hf_greedy(path, b) for b in batches]
