@@ -167,9 +167,6 @@ def _tool_params(
                 f"({', '.join(sorted(TOOL_PARSERS))}), or use required or a named function",
             )
         return params, state.tool_parser
-    backend = state.running_engine().config.structured_outputs_backend
-    parser = forcing_parser(state.tool_parser, backend)
-    spec = tools.forcing_spec(parser, lark=backend in LARK_BACKENDS)
     if params.structured_outputs is not None:
         raise InvalidRequestError(
             "tool_choice",
@@ -177,6 +174,9 @@ def _tool_params(
             "forces a tool call, which cannot be combined with response_format or "
             "structured_outputs",
         )
+    backend = state.running_engine().config.structured_outputs_backend
+    parser = forcing_parser(state.tool_parser, backend)
+    spec = tools.forcing_spec(parser, lark=backend in LARK_BACKENDS)
     return attrs.evolve(params, structured_outputs=spec), parser
 
 
