@@ -97,8 +97,19 @@ class Worker:
         with bind_step(step_id, self.rank):
             try:
                 await self.graph.run(ctx)
-            except Exception as exc:
-                raise WorkerFailedError(self.rank, step_id, repr(exc), report=ctx.report) from exc
+            except BaseException as exc:
+                # The step made its output and then failed (a finalizer: the connector's
+                # clear), or was cancelled: the output never leaves this rank, so the
+                # transfers it reported go out with the next step (reported twice counts
+                # once on the scheduler side; lost, a held send would never be freed).
+                lost = ctx.maybe(WorkerOutput)
+                if lost is not None:
+                    self.unsent.keep(lost.finished_sending, lost.finished_recving)
+                if isinstance(exc, Exception):
+                    raise WorkerFailedError(
+                        self.rank, step_id, repr(exc), report=ctx.report
+                    ) from exc
+                raise
             finally:
                 self.steps += 1
                 if ctx.report is not None:
