@@ -6,6 +6,7 @@ request (``load_failure_policy``), never in a leak, a hang or wrong tokens."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -118,6 +119,22 @@ class Script:
     def signal(self, sig: signal.Signals) -> None:
         os.kill(self.proc.pid, sig)
 
+    def stop(self) -> None:
+        """SIGSTOP the helper and return once every thread of it is stopped: a signal
+        is delivered asynchronously, and a READ posted right after ``kill()`` could
+        still be served by a progress thread not stopped yet."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            states = []
+            for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+                with contextlib.suppress(OSError):  # a thread that just ended
+                    states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            if states and all(state in ("T", "t") for state in states):
+                return
+            time.sleep(0.001)
+        raise AssertionError("the producer helper did not stop within 10 s")
+
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
@@ -220,7 +237,7 @@ class TestProducerKilled:
                 # Each consumer claims its blocks from the producer before reading: stop
                 # the producer once the three claims were granted, before any READ is
                 # posted (the claims wait for each other on their poster threads).
-                claimed = threading.Barrier(3, action=lambda: producer.signal(signal.SIGSTOP))
+                claimed = threading.Barrier(3, action=producer.stop)
                 for worker in workers:
 
                     def claim_then_wait(spec: Any, claim: Any = worker._claim) -> None:
