@@ -9,11 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from test_forward_bf16 import BATCH, NEW_TOKENS, _hf_greedy
+from test_forward_bf16 import BATCH, _hf_greedy, kvstep_greedy
 from test_forward_logits import _check_against_hf
 from torch import nn
 
-from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.errors import InvalidConfigError
 from stages.model import ModelRunner
 from stages.model import linear_kernels as lk
@@ -103,10 +102,4 @@ class TestEveryKernelKeepsTransformersResults:
         _, path = hf_checkpoint("llama_gqa")
         gen = torch.Generator().manual_seed(3)
         batches = [torch.randint(1, 256, (BATCH, n), generator=gen) for n in (7, 33)]
-        config = EngineConfig(
-            model=str(path), dtype="bfloat16", max_model_len=512, enable_prefix_caching=False
-        )
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        with LLM(config) as llm:
-            ours = [[list(o.token_ids) for o in llm.generate(b.tolist(), params)] for b in batches]
-        assert ours == [_hf_greedy(path, b) for b in batches]
+        assert kvstep_greedy(path, batches) == [_hf_greedy(path, b) for b in batches]
