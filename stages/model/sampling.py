@@ -224,22 +224,23 @@ class Sampler:
         if adjust:
             logits = adjust_logits(logits, params, num_output_tokens, token_ids, self.eos_token_id)
         greedy = [p.greedy for p in params]
-        result = torch.empty(n, dtype=torch.long, device=logits.device)
-        greedy_rows = [i for i in range(n) if greedy[i]]
-        if greedy_rows:
-            if len(greedy_rows) == n:
-                return logits.argmax(dim=-1).tolist()
-            rows_t = torch.tensor(greedy_rows, device=logits.device)
-            result[rows_t] = logits[rows_t].argmax(dim=-1)
-        random_rows = [i for i in range(n) if not greedy[i]]
-        rows_t = torch.tensor(random_rows, device=logits.device)
-        chosen = self._sample_random(
-            logits[rows_t],
-            [params[i] for i in random_rows],
-            [num_output_tokens[i] for i in random_rows],
-        )
-        result[rows_t] = chosen
-        return result.tolist()
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist()  # no new tensor but the argmax
+        with torch.inference_mode():
+            result = torch.empty(n, dtype=torch.long, device=logits.device)
+            greedy_rows = [i for i in range(n) if greedy[i]]
+            if greedy_rows:
+                rows_t = torch.tensor(greedy_rows, device=logits.device)
+                result[rows_t] = logits[rows_t].argmax(dim=-1)
+            random_rows = [i for i in range(n) if not greedy[i]]
+            rows_t = torch.tensor(random_rows, device=logits.device)
+            chosen = self._sample_random(
+                logits[rows_t],
+                [params[i] for i in random_rows],
+                [num_output_tokens[i] for i in random_rows],
+            )
+            result[rows_t] = chosen
+            return result.tolist()
 
     def sample_rows(
         self,

@@ -109,13 +109,12 @@ class StepSampler:
         tensor = logits.tensor
         if len(rows) < len(batch):
             tensor = tensor.index_select(0, torch.tensor(rows, device=tensor.device))
-        with torch.inference_mode():
-            tokens, errors = self._sampler.sample_rows(
-                tensor,
-                [batch.params[i] for i in rows],
-                [by_id[batch.req_ids[i]].num_output_tokens for i in rows],
-                adjust=False,
-            )
+        tokens, errors = self._sampler.sample_rows(
+            tensor,
+            [batch.params[i] for i in rows],
+            [by_id[batch.req_ids[i]].num_output_tokens for i in rows],
+            adjust=False,
+        )
         req_ids = [batch.req_ids[i] for i in rows]
         return SampledTokens(
             token_ids={
