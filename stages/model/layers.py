@@ -64,10 +64,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if fused is not None:
         if dtype == torch.float32 and weight.dtype == torch.float32:
             return fused(x, (x.shape[-1],), weight, eps)[0]
-        return weight * fused(x.float(), (x.shape[-1],), None, eps)[0].to(dtype)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+        h = fused(x.float(), (x.shape[-1],), None, eps)[0]
+    else:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype != dtype:
+        return weight * h.to(dtype)  # promotes, as the composite does
+    return h.to(dtype).mul_(weight)  # a fresh tensor: weight * h without another temporary
 
 
 class RMSNorm(nn.Module):
@@ -133,6 +136,13 @@ MLPRefs = tuple[Projection, Projection, Projection]
 """gate, up and down projections."""
 
 
+def _onto(p: Projection, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``residual + p(x)``, added into ``p(x)``'s own fresh output (the same sums: one
+    large temporary fewer); ``p(x)`` without a residual."""
+    out = _project(p, x)
+    return out if residual is None else out.add_(residual)
+
+
 def attend(
     refs: AttentionRefs,
     x: torch.Tensor,
@@ -140,8 +150,10 @@ def attend(
     meta: AttentionMetadata,
     kv_cache: torch.Tensor,
     hooks: LayerHooks | None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Self-attention of ``x [T, hidden]`` over the paged KV cache (its new K/V written)."""
+    """Self-attention of ``x [T, hidden]`` over the paged KV cache (its new K/V written),
+    added to ``residual`` when one is given."""
     q_p, k_p, v_p, o_p, heads, kv_heads, head_dim, scale, layer = refs
     t = x.shape[0]
     q = apply_rotary(_project(q_p, x).view(t, heads, head_dim), *rope)
@@ -152,13 +164,19 @@ def attend(
     o = paged_attention(q, k, v, kv_cache, meta, scale)
     if hooks is not None:
         hooks.after_attention(layer)
-    return _project(o_p, o.view(t, heads * head_dim))
+    return _onto(o_p, o.view(t, heads * head_dim), residual)
 
 
-def swiglu(refs: MLPRefs, x: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``."""
+def swiglu(refs: MLPRefs, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``, added to ``residual`` when one is given.
+
+    The SiLU and the product are computed in place, in the gate projection's fresh output:
+    the same operations in the same order, without two ``[tokens, intermediate]``
+    temporaries that a prefill would allocate (and the kernel page in) again every layer.
+    """
     gate_p, up_p, down_p = refs
-    return _project(down_p, F.silu(_project(gate_p, x)) * _project(up_p, x))
+    h = F.silu(_project(gate_p, x), inplace=True).mul_(_project(up_p, x))
+    return _onto(down_p, h, residual)
 
 
 class Attention(nn.Module):
@@ -270,5 +288,5 @@ class DecoderLayer(nn.Module):
         hooks: LayerHooks | None,
     ) -> torch.Tensor:
         norm_w, norm_eps, attn, post_w, post_eps, mlp = self._refs()
-        x = x + attend(attn, rms_norm(x, norm_w, norm_eps), rope, meta, kv_cache, hooks)
-        return x + swiglu(mlp, rms_norm(x, post_w, post_eps))
+        x = attend(attn, rms_norm(x, norm_w, norm_eps), rope, meta, kv_cache, hooks, x)
+        return swiglu(mlp, rms_norm(x, post_w, post_eps), x)

@@ -152,4 +152,4 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x [T, heads, head_dim]`` by the per-token ``cos``/``sin`` ``[T, 1, head_dim]``."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos).add_(rotated.mul_(sin))  # x * cos + rotated * sin, two temporaries fewer
