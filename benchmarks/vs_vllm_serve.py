@@ -218,7 +218,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     version = vllm_version(args.vllm_python)
     if version is None:
         print(f"vLLM does not import from {args.vllm_python}: nothing to compare (skipped)")
-        return {"skipped": True}
+        skipped = {"skipped": True, "vllm_python": args.vllm_python, "cpu": cpu()}
+        save(args.json, skipped)
+        return skipped
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "llama-serve"

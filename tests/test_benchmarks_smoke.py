@@ -3,6 +3,7 @@ benchmarks measure, tests only keep the scripts working as the code under them m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -118,6 +119,9 @@ TINY_ARGS = {
         "--repeats",
         "1",
     ],
+    # vLLM is not installed here: each says so, writes {"skipped": true} and exits 0.
+    "vs_vllm.py": ["--vllm-python", sys.executable],
+    "vs_vllm_serve.py": ["--vllm-python", sys.executable],
     "workers.py": [
         "--steps",
         "20",
@@ -206,7 +210,15 @@ def _check_structured(result: dict) -> None:
         assert 0 < row["compile"]["cached_p50_ms"] <= row["compile"]["cached_p99_ms"]
 
 
+def _check_vs_vllm(result: dict) -> None:
+    """Without vLLM the comparison is skipped, and says so (no made-up figures)."""
+    if importlib.util.find_spec("vllm") is None:
+        assert result["skipped"] is True and "runs" not in result
+
+
 CHECKS = {
+    "vs_vllm.py": _check_vs_vllm,
+    "vs_vllm_serve.py": _check_vs_vllm,
     "structured.py": _check_structured,
     "step_overhead.py": _check_step_overhead,
     "serve.py": _check_serve,
