@@ -1,4 +1,5 @@
-"""The step log: one structured record per stage and one per step, from a StepReport.
+"""The step log: one structured record per stage and one per step, from a StepReport,
+after one ``model`` record of what the engine runs (:meth:`StepLog.record_model`).
 
 Records go to a JSON-lines file when a path is given, through a private structlog
 logger built with :func:`structlog.wrap_logger` (never global configuration), and also to
@@ -201,6 +202,25 @@ class StepLog:
             }
         )
         return records
+
+    def record_model(self, **fields: Any) -> None:
+        """Write the log's ``model`` record: what the engine runs and on what (model,
+        dtype, device, ranks, KV blocks, the linear kernel its projections were put on).
+
+        Written once, when the engine has started, before its first step::
+
+            {"event": "model", "model": "builtin:tiny", "dtype": "auto", "device": "auto",
+             "world_size": 1, "executor": "inprocess", "num_blocks": 512,
+             "block_size": 16, "linear_kernel": "onednn", "ts": 1718000000.1}
+        """
+        record = {"event": "model", **fields}
+        if self._writer is not None:
+            with self._lock:
+                if self._file is not None:
+                    self._writer.msg(**record)
+                    self._file.flush()
+        if debug_enabled():
+            self._app_log.debug(**record)
 
     def close(self) -> None:
         """Flush and close the file; idempotent. Thread-safe."""

@@ -99,6 +99,17 @@ class EngineCore:
         except BaseException:
             self._abandon()
             raise
+        self.linear_kernel = started.linear_kernel
+        self.step_log.record_model(
+            model=config.model,
+            dtype=config.dtype,
+            device=config.device,
+            world_size=config.world_size,
+            executor=config.executor,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            linear_kernel=started.linear_kernel,
+        )
         self.output_text = OutputText(self.tokenizer, self.scheduler.stop_requests)
         self.aggregator = FanInAggregator(config.world_size, lease_s=config.transfer_lease_s)
         self.engine_graph = apply_graph(

@@ -46,8 +46,8 @@ class StartedExecutor:
     """A started executor and what the engine learns from its ranks.
 
     ``fingerprint`` is rank 0's (the scheduler-side connector's keys), ``num_blocks``
-    the smallest KV cache among the ranks; ``workers`` are the in-process ranks (empty
-    for ranks in other processes).
+    the smallest KV cache among the ranks, ``linear_kernel`` what rank 0's projections
+    run on; ``workers`` are the in-process ranks (empty for ranks in other processes).
     """
 
     executor: Executor
@@ -55,6 +55,7 @@ class StartedExecutor:
     fingerprint: ModelFingerprint
     num_blocks: int
     workers: tuple[Worker, ...] = ()
+    linear_kernel: str = "mkl"
 
 
 class Backend(Protocol):
@@ -91,6 +92,7 @@ def start_inprocess(
         first.fingerprint,
         first.num_blocks,
         workers,
+        first.linear_kernel,
     )
 
 
@@ -108,7 +110,13 @@ def _start_remote(
         worker_graph=graph_import_path(worker_graph),
         connector_classes=connector_import_paths(config.connector),
     )
-    return StartedExecutor(executor, model_config, executor.fingerprint, executor.num_blocks)
+    return StartedExecutor(
+        executor,
+        model_config,
+        executor.fingerprint,
+        executor.num_blocks,
+        linear_kernel=executor.linear_kernel,
+    )
 
 
 def start_multiproc(

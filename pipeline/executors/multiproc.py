@@ -85,8 +85,8 @@ class MultiprocExecutor:
     """Worker processes, one per rank; see the module docstring.
 
     Build it with :meth:`launch` (blocking: it waits for every rank's model to load).
-    Attributes ``num_blocks`` (the smallest cache of the ranks) and ``fingerprint``
-    (rank 0's) come from the ranks' ``Ready``.
+    Attributes ``num_blocks`` (the smallest cache of the ranks), ``fingerprint`` and
+    ``linear_kernel`` (rank 0's) come from the ranks' ``Ready``.
     """
 
     name = "multiproc"
@@ -99,11 +99,13 @@ class MultiprocExecutor:
         num_blocks: int,
         fingerprint: ModelFingerprint,
         workdir: str,
+        linear_kernel: str = "mkl",
     ) -> None:
         self._ranks = tuple(ranks)
         self.step_log = step_log
         self.num_blocks = num_blocks
         self.fingerprint = fingerprint
+        self.linear_kernel = linear_kernel
         self.failure: WorkerDiedError | None = None
         self._workdir = workdir
         self._closed = False
@@ -190,6 +192,7 @@ class MultiprocExecutor:
             num_blocks=min(r.num_blocks for r in ready),
             fingerprint=ready[0].fingerprint,
             workdir=workdir,
+            linear_kernel=ready[0].linear_kernel,
         )
 
     @staticmethod

@@ -23,12 +23,14 @@ __all__ = ["Executor", "RemoteExecutor", "SubmittedStep"]
 class RemoteExecutor(Executor, Protocol):
     """An executor whose ranks load the model themselves (worker processes, Ray actors).
 
-    ``fingerprint`` is rank 0's (the scheduler-side connector's keys) and ``num_blocks``
-    the smallest KV cache among the ranks, both from the ranks' ``Ready``. ``kill``
+    ``fingerprint`` is rank 0's (the scheduler-side connector's keys), ``num_blocks``
+    the smallest KV cache among the ranks and ``linear_kernel`` what rank 0's
+    projections run on, all from the ranks' ``Ready``. ``kill``
     stops every rank at once (failure paths; no graceful shutdown).
     """
 
     fingerprint: ModelFingerprint
     num_blocks: int
+    linear_kernel: str
 
     def kill(self) -> None: ...

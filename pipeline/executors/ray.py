@@ -78,12 +78,14 @@ class RayExecutor:
         step_log: StepLog,
         num_blocks: int,
         fingerprint: ModelFingerprint,
+        linear_kernel: str = "mkl",
     ) -> None:
         self._actors = tuple(actors)
         self._placement_group = placement_group
         self.step_log = step_log
         self.num_blocks = num_blocks
         self.fingerprint = fingerprint
+        self.linear_kernel = linear_kernel
         self.failure: WorkerDiedError | None = None
         self._closed = False
 
@@ -170,6 +172,7 @@ class RayExecutor:
             step_log=step_log,
             num_blocks=min(r.num_blocks for r in ready),
             fingerprint=ready[0].fingerprint,
+            linear_kernel=ready[0].linear_kernel,
         )
 
     # -------------------------------------------------------------------- step

@@ -66,7 +66,13 @@ class RayWorkerActor:
             self._metadata_types = connector_metadata_types(config.connector)
             runner = self._worker.runner
             return wire.encode(
-                wire.Ready(init.rank, os.getpid(), runner.num_blocks, runner.fingerprint)
+                wire.Ready(
+                    init.rank,
+                    os.getpid(),
+                    runner.num_blocks,
+                    runner.fingerprint,
+                    runner.linear_kernel,
+                )
             )
         except Exception as exc:
             _log.error("worker_start_failed", error=repr(exc))

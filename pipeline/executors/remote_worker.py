@@ -398,7 +398,15 @@ def main(argv: list[str] | None = None) -> int:
         channel.send_sync(wire.InitFailed(init.rank, type(exc).__name__, str(exc)))
         return 1
     fingerprint = worker.runner.fingerprint
-    channel.send_sync(wire.Ready(init.rank, os.getpid(), worker.runner.num_blocks, fingerprint))
+    channel.send_sync(
+        wire.Ready(
+            init.rank,
+            os.getpid(),
+            worker.runner.num_blocks,
+            fingerprint,
+            worker.runner.linear_kernel,
+        )
+    )
     _log.info("worker_ready", num_blocks=worker.runner.num_blocks, device=init.device)
 
     async def run() -> None:

@@ -83,6 +83,7 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     pid: int
     num_blocks: int
     fingerprint: ModelFingerprint
+    linear_kernel: str = "mkl"  # what the rank's projections run on (linear_kernels)
 
 
 class InitFailed(msgspec.Struct, frozen=True, tag="init_failed"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -124,6 +124,8 @@ class LogSummary:
         load_error_blocks: Blocks that failed to load.
         failed_save_requests: Requests whose save failed.
         stage_errors: ``(step_id, rank, stage, error)`` of every failed stage record.
+        model: The last ``model`` record's fields (what the engine ran: model, dtype,
+            linear kernel, ...), without ``event`` and ``ts``; empty when the log has none.
     """
 
     stages: tuple[StageStats, ...]
@@ -142,6 +144,13 @@ class LogSummary:
     failed_save_requests: int
     stage_errors: tuple[tuple[Any, Any, str, str], ...]
     steps: tuple[int | None, int | None] = (None, None)
+    model: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def model_line(self) -> str:
+        """``model: key=value, ...`` of :attr:`model` (empty when the log has none)."""
+        if not self.model:
+            return ""
+        return "model: " + ", ".join(f"{k}={v}" for k, v in self.model.items())
 
     def counts_line(self) -> str:
         """Steps and ranks in one unambiguous line."""
@@ -167,6 +176,8 @@ def summarize(
     Raises:
         InvalidConfigError: ``steps`` selects no record of the log.
     """
+    models = [r for r in records if r.get("event") == "model"]
+    model = {k: v for k, v in models[-1].items() if k not in ("event", "ts")} if models else {}
     records = narrow_to_steps(records, steps)
     durations: dict[tuple[str, str], list[float]] = {}
     stage_failures: dict[tuple[str, str], int] = {}
@@ -228,6 +239,7 @@ def summarize(
         failed_save_requests=sum(len(r.get("failed_save_requests") or ()) for r in engine_steps),
         stage_errors=tuple(stage_errors),
         steps=steps,
+        model=model,
     )
 
 
@@ -246,6 +258,8 @@ def print_summary(
 
     summary = summarize(records, steps)
     console = Console(file=file, width=110)
+    if summary.model:
+        console.print(summary.model_line(), markup=False, soft_wrap=True)
     console.print(summary.counts_line(), markup=False)
     latency = Table(title="stage latency (ms)")
     for title in ("kind", "stage", "count", "p50", "p99", "max", "errors"):
