@@ -19,9 +19,9 @@ Candidates (:data:`KERNELS`):
 ``KVSTEP_LINEAR_KERNEL`` (``auto``, the default, or a kernel's name) forces the choice,
 for tests and for measuring; a forced kernel this machine lacks is an
 :class:`~pipeline.errors.InvalidConfigError`. Only CPU models are touched, and only the
-decoder layers' plain projections (``q/k/v/o`` and ``gate/up/down``) and an untied
-``lm_head`` (a row-parallel projection, which all-reduces, and a tied ``lm_head``, which
-is the embedding matrix, stay as they are).
+decoder layers' plain projections (``q/k/v/o`` and ``gate/up/down``; a row-parallel
+projection, which all-reduces, and the ``lm_head``, which may be tied to the
+embeddings, stay as they are).
 """
 
 from __future__ import annotations
@@ -190,8 +190,7 @@ def choose_kernel(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     if len(available) == 1:
         return KernelChoice(available[0])
     shapes: dict[tuple[int, int], int] = {}
-    head = _untied_head(model)
-    for linear in [*(linear for _, _, linear in _projections(model)), *([head] if head else [])]:
+    for _, _, linear in _projections(model):
         key = (linear.out_features, linear.in_features)
         shapes[key] = shapes.get(key, 0) + 1
     if not shapes:
@@ -216,19 +215,5 @@ def apply_kernel(model: nn.Module, kernel: str) -> int:
     for parent, name, linear in list(_projections(model)):
         setattr(parent, name, PackedLinear(linear))
         changed += 1
-    head = _untied_head(model)
-    if head is not None:
-        model.lm_head = PackedLinear(head)
-        changed += 1
     forget_references(model)
     return changed
-
-
-def _untied_head(model: nn.Module) -> nn.Linear | None:
-    """``model.lm_head`` when it is a plain ``nn.Linear`` with its own weight (a tied one
-    is the embedding matrix: packing it would keep a second copy)."""
-    head = getattr(model, "lm_head", None)
-    config = getattr(model, "config", None)
-    if type(head) is not nn.Linear or config is None or config.tie_word_embeddings:
-        return None
-    return head

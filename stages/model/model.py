@@ -136,12 +136,8 @@ class CausalLM(nn.Module):
 
         Vocab-parallel: a collective (every rank of the group calls it on the same rows).
         """
-        head = self.lm_head
-        if type(head) is not nn.Linear:  # an untied head on another kernel (linear_kernels)
-            logits = head(hidden).float()
-        else:
-            weight = head.weight
-            if self._vocab_rows is not None:
-                weight = weight[self._vocab_rows]
-            logits = F.linear(hidden, weight).float()
+        weight = self.lm_head.weight
+        if self._vocab_rows is not None:
+            weight = weight[self._vocab_rows]
+        logits = F.linear(hidden, weight).float()
         return self.tp.gather_last(logits) if self.vocab_parallel else logits

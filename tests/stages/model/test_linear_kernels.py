@@ -103,22 +103,3 @@ class TestEveryKernelKeepsTransformersResults:
         gen = torch.Generator().manual_seed(3)
         batches = [torch.randint(1, 256, (BATCH, n), generator=gen) for n in (7, 33)]
         assert kvstep_greedy(path, batches) == [_hf_greedy(path, b) for b in batches]
-
-
-@ONEDNN
-def test_an_untied_head_is_packed_a_tied_one_is_not(
-    hf_checkpoint: HFGet, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """oneDNN takes an untied ``lm_head`` too; a tied one stays the embedding matrix (no
-    second copy), and both give transformers' greedy tokens (test_fp32_logits)."""
-    monkeypatch.setenv(lk.ENV, "onednn")
-    for variant, untied in (("llama_gqa", True), ("qwen2_tied", False)):
-        _, path = hf_checkpoint(variant)
-        runner = ModelRunner.load(str(path), dtype="float32", device="cpu", num_blocks=8)
-        try:
-            head = runner.model.lm_head
-            assert isinstance(head, lk.PackedLinear) == untied, variant
-            if not untied:
-                assert head.weight is runner.model.model.embed_tokens.weight
-        finally:
-            runner.close()
