@@ -68,15 +68,20 @@ def store_files(root: Path) -> tuple[list[Path], list[Path]]:
 
 
 def is_step_log(path: Path) -> bool:
-    """Whether ``path``'s first line is a kvstep step-log record (a JSON object with
-    ``event`` and ``step_id``)."""
+    """Whether ``path``'s first line is a kvstep step-log record: a JSON object with
+    ``event`` and ``step_id``, or the ``model`` record an engine writes first (with its
+    ``linear_kernel`` and ``num_blocks``)."""
     try:
         with path.open("rb") as f:
             first = f.readline(_FIRST_LINE_MAX)
         record = json.loads(first)
     except (OSError, ValueError):
         return False
-    return isinstance(record, dict) and "event" in record and "step_id" in record
+    if not isinstance(record, dict) or "event" not in record:
+        return False
+    if record["event"] == "model":
+        return "linear_kernel" in record and "num_blocks" in record
+    return "step_id" in record
 
 
 def _check_store(root: Path) -> list[Path] | None:

@@ -134,6 +134,18 @@ class TestStepLog:
         assert _snapshot(tmp_path) == before
         assert not store.exists()
 
+    def test_a_json_lines_file_that_only_says_model_is_refused(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """A step log now starts with the engine's ``model`` record; a file whose first
+        line merely has ``"event": "model"`` (without the record's fields) is not one."""
+        log = tmp_path / "events.jsonl"
+        log.write_text(json.dumps({"event": "model", "name": "my notes"}) + "\n")
+        before = _snapshot(tmp_path)
+        assert main(_argv(tmp_path, tmp_path / "store", log)) == 2
+        assert "not a kvstep step log" in capsys.readouterr().err
+        assert _snapshot(tmp_path) == before
+
 
 class TestFlagErrors:
     def test_connector_options_not_an_object_is_a_clean_error(self) -> None:
