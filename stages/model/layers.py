@@ -64,7 +64,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if fused is not None:
         if dtype == torch.float32 and weight.dtype == torch.float32:
             return fused(x, (x.shape[-1],), weight, eps)[0]
-        h = fused(x.float(), (x.shape[-1],), None, eps)[0]
+        h = fused(x, (x.shape[-1],), None, eps)[0]  # computed in float32, rounded once
     else:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
