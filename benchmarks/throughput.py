@@ -35,12 +35,12 @@ from _results import RESULTS, save
 from pipeline import LLM, EngineConfig, SamplingParams
 
 
-def build_model(path: Path, seed: int = 0) -> int:
+def build_model(path: Path, seed: int = 0, vocab_size: int = 8192) -> int:
     """A ~30M-parameter random Llama saved with save_pretrained; returns its size."""
     return save_random_llama(
         path,
         seed,
-        vocab_size=8192,
+        vocab_size=vocab_size,
         hidden_size=512,
         intermediate_size=1408,
         num_hidden_layers=8,

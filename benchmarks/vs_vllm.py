@@ -56,6 +56,16 @@ def vllm_version(python: str) -> str | None:
     return done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout else None
 
 
+def version_or_skip(python: str, json_path: Path) -> str | None:
+    """vLLM's version as ``python`` imports it; when it does not, say so, write
+    ``{"skipped": true}`` to ``json_path`` and return ``None`` (the caller exits 0)."""
+    version = vllm_version(python)
+    if version is None:
+        print(f"vLLM does not import from {python}: nothing to compare (skipped)")
+        save(json_path, {"skipped": True, "vllm_python": python, "cpu": cpu()})
+    return version
+
+
 def prompts_of(args: argparse.Namespace) -> torch.Tensor:
     """The benchmark's prompts, as the throughput benchmark's child draws them."""
     gen = torch.Generator().manual_seed(1)
@@ -141,12 +151,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=RESULTS / "vs_vllm.json")
     args = parser.parse_args(argv)
 
-    version = vllm_version(args.vllm_python)
+    version = version_or_skip(args.vllm_python, args.json)
     if version is None:
-        print(f"vLLM does not import from {args.vllm_python}: nothing to compare (skipped)")
-        skipped = {"skipped": True, "vllm_python": args.vllm_python, "cpu": cpu()}
-        save(args.json, skipped)
-        return skipped
+        return {"skipped": True}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "llama-30m"
         params = build_model(path)

@@ -32,23 +32,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _models import save_random_llama
 from _results import RESULTS, cpu, save
-from vs_vllm import vllm_version
+from _serve_client import launch
+from throughput import build_model
+from vs_vllm import version_or_skip
 
 from stages.model.builtin import TINY_CONFIG
 from stages.model.builtin_tokenizer import write_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 VLLM_MAIN = (
     "import importlib.metadata as m, sys\n"
     "version = m.version\n"
@@ -62,58 +60,17 @@ METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "output_throughput"
 
 
 def build_checkpoint(path: Path) -> int:
-    """The throughput benchmark's Llama shape with builtin:tiny's tokenizer; its size."""
-    params = save_random_llama(
-        path,
-        0,
-        vocab_size=TINY_CONFIG["vocab_size"],
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )
+    """The throughput benchmark's Llama with builtin:tiny's tokenizer (and vocabulary
+    size, so that every id the model samples decodes); its size."""
+    params = build_model(path, vocab_size=TINY_CONFIG["vocab_size"])
     write_tokenizer(path)
     return params
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _server_cmd(server: str, python: str, path: Path, dtype: str, port: int,
-                extra: list[str]) -> list[str]:  # fmt: skip
-    if server == "vllm":
-        return [python, "-c", VLLM_MAIN, "serve", str(path), "--dtype", dtype,
-                "--host", "127.0.0.1", "--port", str(port), *extra]  # fmt: skip
-    return [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(path),
-            "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), *extra]  # fmt: skip
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"no healthy server on port {port} after {timeout_s:.0f} s")
-
-
-def _bench(python: str, path: Path, port: int, args: argparse.Namespace, n: int, rate: str,
+def _bench(python: str, path: Path, url: str, args: argparse.Namespace, n: int, rate: str,
            out: Path) -> dict[str, Any]:  # fmt: skip
     cmd = [python, "-c", VLLM_MAIN, "bench", "serve", "--backend", "openai",
-           "--base-url", f"http://127.0.0.1:{port}", "--model", str(path),
+           "--base-url", url, "--model", str(path),
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-prefix-len", str(args.prefix_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(n),
@@ -128,37 +85,22 @@ def _bench(python: str, path: Path, port: int, args: argparse.Namespace, n: int,
 def run_server(server: str, python: str, path: Path, dtype: str, args: argparse.Namespace
                ) -> dict[str, Any]:  # fmt: skip
     """One server's two scenarios: ``{"rate": {...}, "saturation": {...}}``."""
-    port = _free_port()
     env = {
-        **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         "VLLM_TARGET_DEVICE": "cpu",  # it reads the wheel's version for "+cpu" otherwise
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen(
-            _server_cmd(server, python, path, dtype, port, getattr(args, f"{server}_arg")),
-            cwd=ROOT, env=env,
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            _wait_healthy(proc, port, args.startup_timeout)
-            rate = _bench(python, path, port, args, args.rate_requests, str(args.request_rate),
-                          Path(tmp) / "rate.json")  # fmt: skip
-            saturation = _bench(python, path, port, args, args.saturation_requests, "inf",
-                                Path(tmp) / "saturation.json")  # fmt: skip
-        except BaseException:
-            log.flush()
-            sys.stderr.write((Path(tmp) / "server.log").read_text(errors="replace")[-4000:])
-            raise
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
+    flags = [str(path) if server == "vllm" else f"--model={path}", "--dtype", dtype,
+             *getattr(args, f"{server}_arg")]  # fmt: skip
+    program = [python, "-c", VLLM_MAIN] if server == "vllm" else []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        launch("serve", flags, Path(tmp) / "server.log", env, program) as launched,
+    ):
+        launched.wait_healthy(time.monotonic() + args.startup_timeout)
+        rate = _bench(python, path, launched.url, args, args.rate_requests,
+                      str(args.request_rate), Path(tmp) / "rate.json")  # fmt: skip
+        saturation = _bench(python, path, launched.url, args, args.saturation_requests,
+                            "inf", Path(tmp) / "saturation.json")  # fmt: skip
     return {"rate": rate, "saturation": saturation}
 
 
@@ -215,12 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=RESULTS / "vs_vllm_serve.json")
     args = parser.parse_args(argv)
 
-    version = vllm_version(args.vllm_python)
+    version = version_or_skip(args.vllm_python, args.json)
     if version is None:
-        print(f"vLLM does not import from {args.vllm_python}: nothing to compare (skipped)")
-        skipped = {"skipped": True, "vllm_python": args.vllm_python, "cpu": cpu()}
-        save(args.json, skipped)
-        return skipped
+        return {"skipped": True}
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "llama-serve"
