@@ -161,7 +161,11 @@ class StepLog:
         to_app = debug_enabled()
         if self._writer is None and not to_app:
             return  # nobody reads the records: do not build them
-        records = self._records(report, kind, fields)
+        self._emit(self._records(report, kind, fields), to_app)
+
+    def _emit(self, records: list[dict[str, Any]], to_app: bool) -> None:
+        """Write ``records`` to the file (together, one flush) and, when ``to_app``, to
+        the application's ``kvstep`` logger at debug level."""
         if self._writer is not None:
             with self._lock:
                 if self._file is not None:
@@ -213,14 +217,7 @@ class StepLog:
              "world_size": 1, "executor": "inprocess", "num_blocks": 512,
              "block_size": 16, "linear_kernel": "onednn", "ts": 1718000000.1}
         """
-        record = {"event": "model", **fields}
-        if self._writer is not None:
-            with self._lock:
-                if self._file is not None:
-                    self._writer.msg(**record)
-                    self._file.flush()
-        if debug_enabled():
-            self._app_log.debug(**record)
+        self._emit([{"event": "model", **fields}], debug_enabled())
 
     def close(self) -> None:
         """Flush and close the file; idempotent. Thread-safe."""
