@@ -22,6 +22,7 @@ from stages.model import cuda_graphs
 from stages.model.builtin import resolve_model_path
 from stages.model.checkpoint import LoadedModel, load_model
 from stages.model.config import load_model_config
+from stages.model.cpu_allocator import keep_freed_memory
 from stages.model.cuda_graphs import GraphCapture
 from stages.model.kv_cache import default_num_blocks, kv_cache_block_bytes
 from stages.model.linear_kernels import apply_kernel, choose_kernel
@@ -200,6 +201,8 @@ def load_parts(
     Blocks on disk I/O and weight conversion; call it off the event loop.
     """
     dev = resolve_device(settings.device)
+    if dev.type == "cpu" and settings.keep_freed_memory:
+        log.info("cpu_allocator", keeps_freed_memory=keep_freed_memory())
     capture = cuda_graphs.graph_capture(dev) if settings.cuda_graphs else None  # before loading
     torch_dtype = resolve_dtype(settings.dtype, dev)
     world_size, max_model_len = settings.world_size, settings.max_model_len

@@ -50,6 +50,8 @@ class RunnerSettings:
             :mod:`~stages.model.compute_thread`); ``0``: never. At most ``1``.
         cuda_graphs: Replay decode-only steps from CUDA graphs
             (:class:`~stages.model.cuda_graphs.DecodeGraphs`); CUDA only, one rank.
+        keep_freed_memory: On a CPU, keep the memory a step frees for the next one
+            (:func:`~stages.model.cpu_allocator.keep_freed_memory`, process-wide).
 
     Raises:
         InvalidConfigError: A size that is not a positive integer, naming the field.
@@ -70,6 +72,7 @@ class RunnerSettings:
     inline_forward: bool = False
     inline_forward_below_s: float = INLINE_FORWARD_BELOW_S
     cuda_graphs: bool = False
+    keep_freed_memory: bool = True
 
     def __attrs_post_init__(self) -> None:
         for name in _POSITIVE:
@@ -77,7 +80,7 @@ class RunnerSettings:
         check_int("num_blocks", self.num_blocks, InvalidConfigError, lo=1, optional=True)
         name, value = "inline_forward_below_s", self.inline_forward_below_s
         check_float(name, value, InvalidConfigError, lo=0.0, hi=MAX_INLINE_FORWARD_BELOW_S)
-        for name in ("inline_forward", "cuda_graphs"):
+        for name in ("inline_forward", "cuda_graphs", "keep_freed_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(name, getattr(self, name), "must be a bool")
         if self.cuda_graphs and self.world_size != 1:
