@@ -2,7 +2,7 @@
 
     python benchmarks/vs_vllm_serve.py --vllm-python PATH [--dtypes bfloat16 float32]
         [--rate-requests 64] [--request-rate 6] [--saturation-requests 96]
-        [--input-len 256] [--prefix-len 128] [--output-len 32] [--json PATH]
+        [--serial-requests 8] [--input-len 256] [--prefix-len 128] [--output-len 32] [--json PATH]
 
 Issue 27's serving rows: one random Llama shaped as the throughput benchmark's (8 layers,
 hidden 512, GQA 8/4) with ``builtin:tiny``'s byte-level BPE tokenizer (and its vocabulary
@@ -15,7 +15,10 @@ server in turn (a fresh process each, on a free loopback port):
 * once ``/health`` answers, ``vllm bench serve --dataset-name random`` twice: ``--num-
   prompts 64 --request-rate 6`` and ``--num-prompts 96`` at an infinite rate
   (saturation), prompts of ``--prefix-len`` shared + ``--input-len`` random tokens,
-  ``--output-len`` tokens with ``--ignore-eos``, seed 0 (the same prompts for both).
+  ``--output-len`` tokens with ``--ignore-eos``, seed 0 (the same prompts for both);
+* then ``--serial-requests 8`` one at a time (``--max-concurrency 1``): a lone request's
+  TTFT (its prefill) and TPOT (batch-1 decode), without the batching the other two
+  scenarios mix in (``0`` skips it).
 
 Prints mean/median TTFT, mean TPOT and output tokens/s per server, and kvstep's ratio to
 vLLM for each (above 1 is kvstep better: vLLM's latency / kvstep's, kvstep's throughput
@@ -68,7 +71,7 @@ def build_checkpoint(path: Path) -> int:
 
 
 def _bench(python: str, path: Path, url: str, args: argparse.Namespace, n: int, rate: str,
-           out: Path) -> dict[str, Any]:  # fmt: skip
+           out: Path, *, concurrency: int | None = None) -> dict[str, Any]:  # fmt: skip
     cmd = [python, "-c", VLLM_MAIN, "bench", "serve", "--backend", "openai",
            "--base-url", url, "--model", str(path),
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
@@ -77,6 +80,8 @@ def _bench(python: str, path: Path, url: str, args: argparse.Namespace, n: int, 
            "--request-rate", rate, "--ignore-eos", "--seed", "0", "--disable-tqdm",
            "--save-result", "--result-dir", str(out.parent),
            "--result-filename", out.name]  # fmt: skip
+    if concurrency is not None:
+        cmd += ["--max-concurrency", str(concurrency)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     result: dict[str, Any] = json.loads(out.read_text())
     return {k: result[k] for k in (*METRICS, "completed", "total_output_tokens")}
@@ -84,7 +89,8 @@ def _bench(python: str, path: Path, url: str, args: argparse.Namespace, n: int, 
 
 def run_server(server: str, python: str, path: Path, dtype: str, args: argparse.Namespace
                ) -> dict[str, Any]:  # fmt: skip
-    """One server's two scenarios: ``{"rate": {...}, "saturation": {...}}``."""
+    """One server's scenarios: ``{"rate": {...}, "saturation": {...}, "serial": {...}}``
+    (``serial`` when ``args.serial_requests``)."""
     env = {
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         "VLLM_TARGET_DEVICE": "cpu",  # it reads the wheel's version for "+cpu" otherwise
@@ -101,12 +107,23 @@ def run_server(server: str, python: str, path: Path, dtype: str, args: argparse.
                       str(args.request_rate), Path(tmp) / "rate.json")  # fmt: skip
         saturation = _bench(python, path, launched.url, args, args.saturation_requests,
                             "inf", Path(tmp) / "saturation.json")  # fmt: skip
-    return {"rate": rate, "saturation": saturation}
+        results = {"rate": rate, "saturation": saturation}
+        if args.serial_requests:
+            results["serial"] = _bench(python, path, launched.url, args, args.serial_requests,
+                                       "inf", Path(tmp) / "serial.json", concurrency=1)  # fmt: skip
+    return results
 
 
 def ratios(vllm: dict[str, Any], kvstep: dict[str, Any]) -> dict[str, float]:
     """kvstep against vLLM, above 1 when kvstep is better (latency: theirs / ours)."""
+    serial = {}
+    if "serial" in vllm and "serial" in kvstep:
+        serial = {
+            "serial_ttft": vllm["serial"]["mean_ttft_ms"] / kvstep["serial"]["mean_ttft_ms"],
+            "serial_tpot": vllm["serial"]["mean_tpot_ms"] / kvstep["serial"]["mean_tpot_ms"],
+        }
     return {
+        **serial,
         "ttft": vllm["rate"]["mean_ttft_ms"] / kvstep["rate"]["mean_ttft_ms"],
         "tpot": vllm["rate"]["mean_tpot_ms"] / kvstep["rate"]["mean_tpot_ms"],
         "saturation_throughput": kvstep["saturation"]["output_throughput"]
@@ -133,6 +150,11 @@ def print_table(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"TPOT {r['tpot']:.2f}x; saturation throughput {r['saturation_throughput']:.2f}x, "
             f"TTFT {r['saturation_ttft']:.2f}x (above 1: kvstep better)"
         )
+        if "serial_ttft" in r:
+            print(
+                f"{run['dtype']}: one at a time: TTFT {r['serial_ttft']:.2f}x, "
+                f"TPOT {r['serial_tpot']:.2f}x"
+            )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -142,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rate-requests", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=6.0)
     parser.add_argument("--saturation-requests", type=int, default=96)
+    parser.add_argument("--serial-requests", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--prefix-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
@@ -172,8 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs.append(run)
     result = {"cpu": cpu(), "vllm": version, "model_parameters": params,
               "workload": {k: getattr(args, k) for k in ("rate_requests", "request_rate",
-                           "saturation_requests", "input_len", "prefix_len", "output_len",
-                           "vllm_arg", "kvstep_arg")},
+                           "saturation_requests", "serial_requests", "input_len",
+                           "prefix_len", "output_len", "vllm_arg", "kvstep_arg")},
               "runs": runs}  # fmt: skip
     print(f"CPU: {result['cpu']}; vLLM {version}; {params / 1e6:.1f}M parameters")
     print_table(runs, args)

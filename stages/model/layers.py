@@ -129,11 +129,16 @@ def _project(p: Projection, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-AttentionRefs = tuple[Projection, Projection, Projection, Projection, int, int, int, float, int]
-"""q, k, v and o projections, heads, KV heads, head width, scale, layer index."""
+AttentionRefs = tuple[
+    Projection, Projection | None, Projection | None, Projection, int, int, int, float, int
+]
+"""q, k, v and o projections, heads, KV heads, head width, scale, layer index. With
+q/k/v packed as one GEMM (``qkv_proj``, :func:`~stages.model.linear_kernels.apply_kernel`)
+the first is that projection and k and v are ``None``."""
 
-MLPRefs = tuple[Projection, Projection, Projection]
-"""gate, up and down projections."""
+MLPRefs = tuple[Projection, Projection | None, Projection]
+"""gate, up and down projections; with gate/up packed as one GEMM (``gate_up_proj``) the
+first is that projection and up is ``None``."""
 
 
 def _onto(p: Projection, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -156,9 +161,14 @@ def attend(
     added to ``residual`` when one is given."""
     q_p, k_p, v_p, o_p, heads, kv_heads, head_dim, scale, layer = refs
     t = x.shape[0]
-    q = apply_rotary(_project(q_p, x).view(t, heads, head_dim), *rope)
-    k = apply_rotary(_project(k_p, x).view(t, kv_heads, head_dim), *rope)
-    v = _project(v_p, x).view(t, kv_heads, head_dim)
+    if k_p is None or v_p is None:  # one GEMM for the three: its columns are q | k | v
+        q_x, k_x, v_x = _project(q_p, x).split((heads * head_dim, kv_heads * head_dim,
+                                               kv_heads * head_dim), -1)  # fmt: skip
+    else:
+        q_x, k_x, v_x = _project(q_p, x), _project(k_p, x), _project(v_p, x)
+    q = apply_rotary(q_x.view(t, heads, head_dim), *rope)
+    k = apply_rotary(k_x.view(t, kv_heads, head_dim), *rope)
+    v = v_x.view(t, kv_heads, head_dim)
     if hooks is not None:
         hooks.before_attention(layer)
     o = paged_attention(q, k, v, kv_cache, meta, scale)
@@ -175,7 +185,11 @@ def swiglu(refs: MLPRefs, x: torch.Tensor, residual: torch.Tensor | None = None)
     temporaries that a prefill would allocate (and the kernel page in) again every layer.
     """
     gate_p, up_p, down_p = refs
-    h = F.silu(_project(gate_p, x), inplace=True).mul_(_project(up_p, x))
+    if up_p is None:  # one GEMM for both: its columns are gate | up
+        gate, up = _project(gate_p, x).chunk(2, -1)
+        h = torch.mul(F.silu(gate, inplace=True), up)  # contiguous, for the down projection
+    else:
+        h = F.silu(_project(gate_p, x), inplace=True).mul_(_project(up_p, x))
     return _onto(down_p, h, residual)
 
 
@@ -205,9 +219,14 @@ class Attention(nn.Module):
 
     def refs(self) -> AttentionRefs:
         """The tensors and sizes :func:`attend` reads."""
-        return (_projection(self.q_proj), _projection(self.k_proj), _projection(self.v_proj),
-                _projection(self.o_proj), self.num_heads, self.num_kv_heads, self.head_dim,
-                self.scale, self.layer)  # fmt: skip
+        qkv = self._modules.get("qkv_proj")
+        q, k, v = (
+            (qkv, None, None)
+            if qkv is not None
+            else (_projection(self.q_proj), _projection(self.k_proj), _projection(self.v_proj))
+        )
+        return (q, k, v, _projection(self.o_proj), self.num_heads, self.num_kv_heads,
+                self.head_dim, self.scale, self.layer)  # fmt: skip
 
     def forward(
         self,
@@ -237,6 +256,9 @@ class MLP(nn.Module):
 
     def refs(self) -> MLPRefs:
         """The projections :func:`swiglu` reads."""
+        gate_up = self._modules.get("gate_up_proj")
+        if gate_up is not None:
+            return gate_up, None, _projection(self.down_proj)
         return _projection(self.gate_proj), _projection(self.up_proj), _projection(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

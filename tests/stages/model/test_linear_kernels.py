@@ -40,6 +40,74 @@ class TestPackedLinear:
             assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+class TestFusedProjections:
+    @ONEDNN
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("bias", [False, True])
+    def test_parts_equal_their_own_linears(self, dtype: torch.dtype, bias: bool) -> None:
+        """One GEMM for three projections: each part's columns are its F.linear (fp32 to
+        rounding), called through the fused module or alone; its bias is its slice."""
+        torch.manual_seed(0)
+        linears = [nn.Linear(64, n, bias=bias, dtype=dtype) for n in (96, 32, 32)]
+        fused = lk.FusedPackedLinear(linears)
+        parts = [lk.PackedPart(fused, i) for i in range(3)]
+        assert fused.sizes == (96, 32, 32) and not list(fused.children())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for rows in (1, 7, 300):
+            x = torch.randn(rows, 64, dtype=dtype)
+            with torch.inference_mode():
+                together = fused(x).split(fused.sizes, -1)
+                for linear, part, got in zip(linears, parts, together, strict=True):
+                    want = linear(x)
+                    for out in (got, part(x)):
+                        assert out.shape == want.shape and out.dtype == dtype
+                        assert torch.allclose(out.float(), want.float(), atol=tol, rtol=tol)
+        for linear, part in zip(linears, parts, strict=True):
+            if bias:
+                assert part.bias is not None and torch.equal(part.bias, linear.bias.detach())
+            else:
+                assert part.bias is None
+
+    @ONEDNN
+    def test_onednn_packs_qkv_and_gate_up_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Every decoder layer gets one qkv and one gate/up GEMM (the old names are parts
+        of them), its other projections packed alone, no loaded weight kept, and its
+        references hand the fused GEMMs to the hot path."""
+        monkeypatch.setenv(lk.ENV, "mkl")  # loaded as plain linears, packed below
+        runner = ModelRunner.load("builtin:tiny", dtype="float32", device="cpu", num_blocks=8)
+        try:
+            layers = runner.model.model.layers
+            loaded = {
+                name: sum(getattr(layer.self_attn if name[0] in "qkvo" else layer.mlp, name)
+                          .weight.numel() for layer in layers)
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj")
+            }  # fmt: skip
+            changed = lk.apply_kernel(runner.model, "onednn")
+            assert changed == 7 * len(layers)
+            for layer in layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                assert isinstance(attn.qkv_proj, lk.FusedPackedLinear)
+                assert isinstance(mlp.gate_up_proj, lk.FusedPackedLinear)
+                for parent, names in ((attn, "qkv"), (mlp, ("gate", "up"))):
+                    fused = parent.qkv_proj if parent is attn else parent.gate_up_proj
+                    for i, n in enumerate(names):
+                        part = getattr(parent, f"{n}_proj")
+                        assert isinstance(part, lk.PackedPart) and part.fused is fused
+                        assert part.index == i
+                assert isinstance(attn.o_proj, lk.PackedLinear)
+                assert isinstance(mlp.down_proj, lk.PackedLinear)
+                assert not any(type(m) is nn.Linear for m in layer.modules())
+                refs = attn.refs()
+                assert refs[0] is attn.qkv_proj and refs[1] is None and refs[2] is None
+                gate_up, up, _ = mlp.refs()
+                assert gate_up is mlp.gate_up_proj and up is None
+            packed = sum(m.packed.numel() for m in runner.model.modules() if hasattr(m, "packed"))
+            assert packed == sum(loaded.values())  # packed once, nothing else held
+        finally:
+            runner.close()
+
+
 class TestChoice:
     def test_forced_by_the_environment(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """KVSTEP_LINEAR_KERNEL names the kernel; no timing is done."""
