@@ -1,0 +1,101 @@
+"""Verifying drafts: greedy keeps the target's argmax tokens; speculative sampling keeps
+the target's distribution at every position (chi-square over many draws)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.speculative import accept_greedy, accept_sampled
+
+# Chi-square critical value, 3 degrees of freedom (a 4-token vocabulary), p = 0.001.
+CHI2_DF3_P001 = 16.27
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+class TestGreedy:
+    def test_all_drafts_kept_and_one_more(self) -> None:
+        assert accept_greedy([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]
+
+    def test_the_first_difference_ends_it(self) -> None:
+        """The target's token replaces the first wrong draft; later drafts are dropped."""
+        assert accept_greedy([4, 9, 6, 7], [4, 5, 6]) == [4, 9]
+        assert accept_greedy([1, 9, 6, 7], [4, 5, 6]) == [1]
+
+    def test_no_drafts_is_one_token(self) -> None:
+        assert accept_greedy(torch.tensor([3]), []) == [3]
+
+    def test_positions_must_match_the_drafts(self) -> None:
+        with pytest.raises(ValueError, match="3 target positions for 3 drafts"):
+            accept_greedy([1, 2, 3], [1, 2, 3])
+
+
+def _dists(gen: torch.Generator, rows: int, vocab: int = 4) -> torch.Tensor:
+    return torch.softmax(torch.randn(rows, vocab, generator=gen) * 1.5, dim=-1)
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+class TestSampled:
+    def test_first_token_is_distributed_as_the_target(self, with_draft_probs: bool) -> None:
+        """Whatever the drafts, the first output token is drawn from p_0."""
+        setup = torch.Generator().manual_seed(7)
+        p = _dists(setup, 3)
+        q = _dists(setup, 2) if with_draft_probs else None
+        gen = torch.Generator().manual_seed(11)
+        counts = torch.zeros(4, dtype=torch.float64)
+        for _ in range(20_000):
+            if q is not None:
+                drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+            else:
+                drafts = [2, 1]  # a fixed guess, as an n-gram makes
+            out = accept_sampled(p, drafts, q, generator=gen)
+            assert 1 <= len(out) <= 3 and out[:-1] == drafts[: len(out) - 1]
+            counts[out[0]] += 1
+        assert _chi2(counts, p[0].double()) < CHI2_DF3_P001, (counts, p[0])
+
+    def test_second_token_follows_the_first_draft(self, with_draft_probs: bool) -> None:
+        """When the first draft was kept, the next token is drawn from p_1."""
+        setup = torch.Generator().manual_seed(3)
+        p = _dists(setup, 3)
+        q = _dists(setup, 2) if with_draft_probs else None
+        gen = torch.Generator().manual_seed(5)
+        counts = torch.zeros(4, dtype=torch.float64)
+        for _ in range(30_000):
+            drafts = [0, 3]
+            if q is not None:
+                drafts = [0, int(torch.multinomial(q[1], 1, generator=gen))]
+            out = accept_sampled(p, drafts, q, generator=gen)
+            if len(out) >= 2:
+                counts[out[1]] += 1
+        assert counts.sum() > 2_000
+        assert _chi2(counts, p[1].double()) < CHI2_DF3_P001, (counts, p[1])
+
+    def test_seeded_draws_repeat(self, with_draft_probs: bool) -> None:
+        setup = torch.Generator().manual_seed(1)
+        p = _dists(setup, 4)
+        q = _dists(setup, 3) if with_draft_probs else None
+        runs = [
+            [accept_sampled(p, [1, 2, 3], q, torch.Generator().manual_seed(s)) for s in range(50)]
+            for _ in range(2)
+        ]
+        assert runs[0] == runs[1]
+
+
+class TestSampledEdges:
+    def test_a_certain_target_is_greedy(self) -> None:
+        """One-hot target rows (temperature near 0): the greedy rule's tokens."""
+        argmax = [2, 0, 3]
+        p = torch.nn.functional.one_hot(torch.tensor(argmax), 4).double()
+        for drafts in ([2, 0], [2, 1], [1, 0]):
+            assert accept_sampled(p, drafts) == accept_greedy(argmax, drafts)
+
+    def test_shapes_are_checked(self) -> None:
+        p = torch.full((3, 4), 0.25)
+        with pytest.raises(ValueError, match="for 1 drafts"):
+            accept_sampled(p, [1])
+        with pytest.raises(ValueError, match="draft_probs"):
+            accept_sampled(p, [1, 2], torch.full((2, 5), 0.2))
