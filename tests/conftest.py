@@ -14,7 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A CPU model's linear kernel is chosen by timing the candidates at load
 # (stages.model.linear_kernels), so two loads may choose differently: a test that reads a
 # projection's weight (a prepacked one has none) or compares two processes' logits would
-# pass or fail by the machine's noise (test_tensor_parallel's shard-layout test did). The
+# pass or fail by the machine's noise (test_tensor_parallel's shard-layout test did; it now
+# forces mkl itself, as a test that reads loaded weights must). The
 # suite pins the kernel, for its worker processes too; the kernel tests force each kernel,
 # and auto, themselves.
 os.environ.setdefault("KVSTEP_LINEAR_KERNEL", "mkl")

@@ -25,6 +25,7 @@ from stages.model import (
     destroy_process_group,
     kv_cache_block_bytes,
 )
+from stages.model import linear_kernels as lk
 from stages.model.parallel import RowParallelLinear, kv_head_range
 
 REPO = Path(__file__).resolve().parents[3]
@@ -147,8 +148,12 @@ def reference_logits(tp_checkpoints: dict[str, Path]) -> dict[str, dict[str, tor
 
 
 @pytest.fixture
-def llama_shard(tp_checkpoints: dict[str, Path]) -> Iterator[ModelRunner]:
-    """Rank 1 of 2 of the GQA Llama, loaded in-process (its reduce is a no-op)."""
+def llama_shard(
+    tp_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[ModelRunner]:
+    """Rank 1 of 2 of the GQA Llama, loaded in-process (its reduce is a no-op), on the
+    kernel that keeps the loaded weights (a prepacked one keeps no ``.weight`` to read)."""
+    monkeypatch.setenv(lk.ENV, "mkl")
     runner = _load(tp_checkpoints["llama_gqa"], rank=1, world_size=2, tp=TensorParallel(1, 2))
     yield runner
     runner.close()
