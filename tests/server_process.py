@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class ServerProcess:

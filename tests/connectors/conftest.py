@@ -7,19 +7,13 @@ The redis tests skip (with the reason) only when ``redis-server`` is not on PATH
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from ports import free_port
 
 
 class RedisServer:
@@ -29,7 +23,7 @@ class RedisServer:
     def __init__(self, executable: str, workdir: Path) -> None:
         self.executable = executable
         self.workdir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -4,7 +4,6 @@ on a consumer, outputs identical to a single engine's."""
 from __future__ import annotations
 
 import random
-import socket
 import time
 from typing import Any
 
@@ -13,29 +12,14 @@ import pytest
 pytest.importorskip("nixl_cu12")
 pytest.importorskip("zmq")
 
+from ports import free_port
+
 from pipeline import LLM, EngineConfig, SamplingParams
 
 BS = 16
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PREFILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 DECODE = {"do_remote_decode": True}
-
-
-def free_port(count: int = 1) -> int:
-    """A port ``p`` with ``p .. p + count - 1`` free (rank r serves on ``p + r``)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + count > 65536:
-            continue
-        try:
-            for offset in range(1, count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + offset))
-        except OSError:
-            continue
-        return port
 
 
 def prompts() -> list[list[int]]:

@@ -13,7 +13,6 @@ either side.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -38,6 +37,7 @@ from fault_schedule import (
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from nixl_tickets import signed
+from ports import free_port
 
 from connectors.base import ForwardContext, KVConnectorMetadata, WorkerFinished
 from connectors.nixl import NixlScheduler
@@ -132,13 +132,6 @@ def _reset() -> Iterator[None]:
 # -- the pair --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    """A loopback port nobody listens on now (a side channel's, or a dead peer's)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _external(out: RequestOutput) -> int:
     """The prompt tokens the request's KV was loaded for, not computed."""
     assert out.metrics is not None
@@ -155,7 +148,7 @@ def _config(
     inner = {
         "role": role,
         "host": "127.0.0.1",
-        "port": _free_port(),
+        "port": free_port(),
         "lease_s": LEASE_S,
         "handshake_timeout_s": handshake_timeout_s,
         "read_timeout_s": 2.0,
@@ -349,7 +342,7 @@ class TestSingleFaults:
         under "fail" it fails alone; the producer frees its blocks when the lease runs
         out."""
         clients = [_client(p, 4) for p in _prompts(40)]
-        dead_port = _free_port()
+        dead_port = free_port()
 
         def misdirect(params: dict[str, Any]) -> dict[str, Any]:
             return signed({**params, "remote_port": dead_port}, clients[0].prompt)

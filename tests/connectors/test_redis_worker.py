@@ -4,12 +4,12 @@ or failed saves, never exceptions and never wrong data in the paged cache."""
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 
 import pytest
 import torch
+from ports import free_port
 
 from connectors.base import ConnectorContext, ForwardContext, KVConnectorRole, ModelFingerprint
 from connectors.redis_store import RedisMetadata, RedisStore, RedisWorker
@@ -59,9 +59,7 @@ async def load(worker: RedisWorker, caches, loads: list[BlockTransfer]) -> froze
 
 
 def dead_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
+    return f"redis://127.0.0.1:{free_port()}/0"
 
 
 @pytest.fixture

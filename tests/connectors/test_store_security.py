@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import attrs
 import pytest
 import structlog
+from ports import free_port
 from store_workload import PARAMS, PROMPTS, engine_config
 
 from connectors.shared_storage import DiskStore, SharedStorageOptions
@@ -174,12 +174,6 @@ def test_other_hosts_fresh_temps_survive_cleanup(tmp_path):
 PW_ENV = "KVSTEP_TEST_REDIS_PASSWORD"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @attrs.frozen
 class AuthServer:
     """A ``redis-server --requirepass PASSWORD`` on a loopback port."""
@@ -199,7 +193,7 @@ def redis_auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Auth
     executable = shutil.which("redis-server")
     if executable is None:
         pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
-    server = AuthServer(_free_port(), f"pw-{uuid.uuid4().hex}")
+    server = AuthServer(free_port(), f"pw-{uuid.uuid4().hex}")
     args = [executable, "--port", str(server.port), "--bind", "127.0.0.1", "--save", ""]
     args += ["--appendonly", "no", "--requirepass", server.password]
     workdir = tmp_path_factory.mktemp("redis-auth")

@@ -4,13 +4,13 @@ into a forwarder that binds; ``BlockStored`` carries token ids only when asked."
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import zmq
 from kv_events_helpers import PREFIXES, drain, events_config
+from ports import free_port
 
 from pipeline import LLM, SamplingParams
 from pipeline.kv_events import (
@@ -25,13 +25,6 @@ from pipeline.kv_events import (
 )
 
 LIMIT_S = 30.0  # a bound on a hang, never a timing assertion
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _receive(sub: KVEventSubscriber, pub: ZmqEventPublisher) -> list[int]:
@@ -49,7 +42,7 @@ class TestBind:
     def test_a_plain_host_and_port_is_bound_and_delivers(self) -> None:
         """tcp://127.0.0.1:PORT is bound by the publisher, so a subscriber that connects
         there (what the proxy does with /health's endpoint) receives the batches."""
-        endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
         pub = ZmqEventPublisher(KVEventsConfig(endpoint=endpoint))
         try:
             assert pub.bound and pub.endpoint == endpoint

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import build_checkpoint
+from ports import free_port
 from safetensors import safe_open
 from safetensors.torch import load_file
 from tp_rank_worker import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, run_scenario
@@ -64,13 +65,6 @@ def tp_checkpoints(
     }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _spawn(world_size: int, items: list[str], out: Path) -> list[subprocess.Popen[str]]:
     """``world_size`` worker processes joined by gloo over loopback TCP."""
     env = {
@@ -80,7 +74,7 @@ def _spawn(world_size: int, items: list[str], out: Path) -> list[subprocess.Pope
     }
     if any(name == "lo" for _, name in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    common = ["--world-size", str(world_size), "--init-method", f"tcp://127.0.0.1:{_free_port()}"]
+    common = ["--world-size", str(world_size), "--init-method", f"tcp://127.0.0.1:{free_port()}"]
     return [
         subprocess.Popen(
             [sys.executable, str(WORKER), "--rank", str(rank), *common, "--out", str(out), *items],
