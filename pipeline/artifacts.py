@@ -218,6 +218,13 @@ class ModelOutput:
     request asked for (``ScheduledRequest.prompt_logprob_targets``): for each request
     of ``prompt_req_ids`` in order, ``len(prompt_logprob_targets)`` rows. ``None``
     when no request of the step asked.
+
+    ``draft_logits`` holds the raw logits at the draft tokens of speculative decoding
+    (``ScheduledRequest.draft_token_ids``): for each request of ``draft_req_ids`` in
+    order, one row per draft, row ``i`` the distribution after draft ``i`` (what draft
+    ``i + 1``, or the token after the last draft, is verified against). A request's row
+    in ``logits`` is the distribution after its last known token, which its first
+    draft is verified against. ``None`` when no request of the step has drafts.
     """
 
     req_ids: tuple[str, ...]
@@ -225,6 +232,8 @@ class ModelOutput:
     num_tokens: int = 0
     prompt_req_ids: tuple[str, ...] = ()
     prompt_logits: Any = None  # torch.Tensor [rows, vocab] or None
+    draft_req_ids: tuple[str, ...] = ()
+    draft_logits: Any = None  # torch.Tensor [drafts, vocab] or None
 
 
 @attrs.frozen(kw_only=True)

@@ -37,6 +37,12 @@ class BatchInputs:
             of ``prompt_req_ids``, the first ``len(prompt_logprob_targets)`` rows of its
             chunk), or ``None`` when no request asked.
         prompt_req_ids: The requests of those rows, in order.
+        draft_rows: ``[D]`` the rows of the draft tokens (speculative decoding): for each
+            request of ``draft_req_ids`` in order, one row per draft, each the position
+            whose logits verify the next draft (the last one's give the token after all
+            of them); ``None`` when no request has drafts. A request's sampled row is
+            that of its last known token, before its drafts.
+        draft_req_ids: The requests with drafts, in order.
     """
 
     input_ids: torch.Tensor
@@ -45,6 +51,8 @@ class BatchInputs:
     sample_req_ids: tuple[str, ...]
     prompt_rows: torch.Tensor | None = None
     prompt_req_ids: tuple[str, ...] = ()
+    draft_rows: torch.Tensor | None = None
+    draft_req_ids: tuple[str, ...] = ()
 
 
 class RequestStates:
@@ -87,9 +95,10 @@ class RequestStates:
 
         Raises:
             InvalidRequestError: Naming the request and the bad value: an unknown request
-                that is not ``new``, a duplicate, an empty chunk, a token id outside the
-                vocabulary, a chunk past
-                ``max_model_len``, a block id out of range or a block table too short.
+                that is not ``new``, a duplicate, an empty chunk, a token id (or draft)
+                outside the vocabulary, a chunk (with its drafts) past
+                ``max_model_len``, a block id out of range, a block table too short, or
+                drafts on a chunk that does not sample.
         """
         seen: set[str] = set()
         tables: dict[str, list[int]] = {}
@@ -108,10 +117,15 @@ class RequestStates:
     def _checked_table(self, r: ScheduledRequest, base: list[int]) -> list[int]:
         if not r.token_ids:
             raise InvalidRequestError("token_ids", r.token_ids, f"{r.req_id}: need >= 1 token")
-        if min(r.token_ids) < 0 or max(r.token_ids) >= self.vocab_size:
-            bad = next(t for t in r.token_ids if not 0 <= t < self.vocab_size)
+        for name, ids in (("token_id", r.token_ids), ("draft_token_id", r.draft_token_ids)):
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+                raise InvalidRequestError(
+                    name, bad, f"{r.req_id}: must be in [0, vocab_size={self.vocab_size})"
+                )
+        if r.draft_token_ids and not r.sample:
             raise InvalidRequestError(
-                "token_id", bad, f"{r.req_id}: must be in [0, vocab_size={self.vocab_size})"
+                "draft_token_ids", r.draft_token_ids, f"{r.req_id}: only after a sampled token"
             )
         targets = r.prompt_logprob_targets
         if targets and (
@@ -123,12 +137,12 @@ class RequestStates:
                 targets,
                 f"{r.req_id}: at most {len(r.token_ids)} token ids in [0, {self.vocab_size})",
             )
-        end = r.num_computed_tokens + len(r.token_ids)
+        end = r.num_computed_tokens + r.num_scheduled_tokens  # drafts included: their KV is written
         if r.num_computed_tokens < 0 or end > self.max_model_len:
             raise InvalidRequestError(
                 "num_computed_tokens",
                 r.num_computed_tokens,
-                f"{r.req_id}: context + {len(r.token_ids)} new tokens must fit in "
+                f"{r.req_id}: context + {r.num_scheduled_tokens} new tokens must fit in "
                 f"[0, max_model_len={self.max_model_len}]",
             )
         bad_blocks = tuple(b for b in r.block_ids if not 0 <= b < self.num_blocks)
@@ -180,11 +194,11 @@ class RequestStates:
                 prompt_req_ids=(),
             )
         ids = np.fromiter(
-            (t for r in requests for t in r.token_ids),
+            (t for r in requests for t in (*r.token_ids, *r.draft_token_ids)),
             dtype=np.int64,
             count=scheduler_output.total_num_scheduled_tokens,
         )
-        query_lens = [len(r.token_ids) for r in requests]
+        query_lens = [r.num_scheduled_tokens for r in requests]
         meta = build_attention_metadata(
             query_lens=query_lens,
             context_lens=[r.num_computed_tokens for r in requests],
@@ -193,7 +207,18 @@ class RequestStates:
             device=device,
         )
         ends = np.cumsum(query_lens) - 1
+        num_drafts = np.fromiter(
+            (len(r.draft_token_ids) for r in requests), np.int64, len(requests)
+        )
         sampled = [i for i, r in enumerate(requests) if r.sample]
+        drafted = [i for i in sampled if num_drafts[i]]
+        draft_rows = None
+        if drafted:  # the rows of a request's drafts follow its sampled row
+            draft_rows = torch.from_numpy(
+                np.concatenate(
+                    [np.arange(ends[i] - num_drafts[i] + 1, ends[i] + 1) for i in drafted]
+                )
+            ).to(device)
         prompt = [i for i, r in enumerate(requests) if r.prompt_logprob_targets]
         prompt_rows = None
         if prompt:
@@ -208,8 +233,10 @@ class RequestStates:
         return BatchInputs(
             input_ids=torch.from_numpy(ids).to(device),
             attn_meta=meta,
-            sample_rows=torch.from_numpy(ends[sampled]).to(device),
+            sample_rows=torch.from_numpy((ends - num_drafts)[sampled]).to(device),
             sample_req_ids=tuple(requests[i].req_id for i in sampled),
             prompt_rows=prompt_rows,
             prompt_req_ids=tuple(requests[i].req_id for i in prompt),
+            draft_rows=draft_rows,
+            draft_req_ids=tuple(requests[i].req_id for i in drafted),
         )

@@ -226,17 +226,20 @@ class ModelRunner:
         with torch.inference_mode(), self.device_sync.compute_stream():
             meta = batch.attn_meta
             hidden = self.model(batch.input_ids, meta.positions, meta, self.kv_caches, hooks)
-            rows = batch.sample_rows
-            if batch.prompt_rows is not None:  # one lm_head (a collective) for both
-                rows = torch.cat((rows, batch.prompt_rows))
+            parts = [r for r in (batch.sample_rows, batch.prompt_rows, batch.draft_rows)
+                     if r is not None]  # fmt: skip
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # one lm_head (a collective)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         n = len(batch.sample_req_ids)
+        p = n + (0 if batch.prompt_rows is None else len(batch.prompt_rows))
         return ModelOutput(
             req_ids=batch.sample_req_ids,
-            logits=logits if batch.prompt_rows is None else logits[:n],
+            logits=logits if len(parts) == 1 else logits[:n],
             num_tokens=meta.num_tokens,
             prompt_req_ids=batch.prompt_req_ids,
-            prompt_logits=None if batch.prompt_rows is None else logits[n:],
+            prompt_logits=None if batch.prompt_rows is None else logits[n:p],
+            draft_req_ids=batch.draft_req_ids,
+            draft_logits=None if batch.draft_rows is None else logits[p:],
         )
 
     def _replay(self, scheduler_output: SchedulerOutput) -> ModelOutput | None:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -229,6 +230,58 @@ class TestExecute:
             assert kv is runner.kv_caches[i]
             assert ctx.step_id == 7 and ctx.scheduler_output is step and ctx.rank == 0
         assert runner.forward_context(step).kv_caches is runner.kv_caches
+
+    def test_draft_logits_are_those_of_decoding_them(self, runner: ModelRunner) -> None:
+        """A step over a token and two drafts gives, at each position, the logits that
+        decoding the same tokens one step at a time gives (speculative decoding's
+        verify pass); the drafts' rows come apart from the sampled rows, in batch order."""
+        prompt = list(range(30, 50))
+        tokens = (7, 11, 13)  # the last known token, then two drafts
+        runner.execute(_step(0, _req("ref", prompt, blocks=(0, 1))))
+        ref = [
+            runner.execute(
+                _step(1 + i, _req("ref", [t], computed=20 + i, blocks=(), new=False))
+            ).logits[0]
+            for i, t in enumerate(tokens)
+        ]
+        runner.execute(_step(4, _req("spec", prompt, blocks=(2, 3))))
+        spec = attrs.evolve(
+            _req("spec", [tokens[0]], computed=20, blocks=(), new=False),
+            draft_token_ids=tokens[1:],
+        )
+        out = runner.execute(_step(5, spec, _req("other", [5, 6, 7], blocks=(4,))))
+        assert out.req_ids == ("spec", "other") and out.logits.shape[0] == 2
+        assert out.draft_req_ids == ("spec",) and out.num_tokens == 6
+        assert out.draft_logits.shape == (2, runner.model_config.vocab_size)
+        torch.testing.assert_close(out.logits[0], ref[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.draft_logits[0], ref[1], atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.draft_logits[1], ref[2], atol=1e-4, rtol=0)
+        sampled = runner.sample(_step(5, spec), attrs.evolve(out, req_ids=("spec",),
+                                                             logits=out.logits[:1]))  # fmt: skip
+        assert len(sampled.token_ids["spec"]) == 1  # drafts are not verified here (yet)
+
+    def test_a_step_without_drafts_has_no_draft_rows(self, runner: ModelRunner) -> None:
+        out = runner.execute(_step(0, _req("a", [1, 2, 3])))
+        assert out.draft_req_ids == () and out.draft_logits is None
+
+    @pytest.mark.parametrize(
+        ("drafts", "kwargs", "what"),
+        [
+            ((1, 100000), {}, "draft_token_id"),
+            ((1,), {"sample": False}, "draft_token_ids"),
+            ((1, 2), {"computed": 254, "blocks": tuple(range(16))}, "num_computed_tokens"),
+            ((1,), {"tokens": list(range(16))}, "block_ids"),
+        ],
+    )
+    def test_bad_drafts_are_refused(
+        self, runner: ModelRunner, drafts: tuple[int, ...], kwargs: dict[str, Any], what: str
+    ) -> None:
+        """A draft outside the vocabulary, drafts on a chunk that does not sample, drafts
+        past max_model_len or past the block table: the request's error names it."""
+        tokens = kwargs.pop("tokens", [1])
+        request = attrs.evolve(_req("x", tokens, **kwargs), draft_token_ids=drafts)
+        with pytest.raises(InvalidRequestError, match=what):
+            runner.execute(_step(0, request))
 
     def test_kv_written_at_slots(self, runner: ModelRunner) -> None:
         """New K/V land in the request's blocks and nowhere else."""
