@@ -12,6 +12,7 @@ from pipeline.logits import Logits, LogitsBatch
 from stages.model.histories import TokenHistories
 from stages.model.logprobs import add_logprobs
 from stages.model.sampling import Sampler, adjust_logits
+from stages.speculative.verify import verify_greedy
 
 #: The built-in logits stage's name, in the failure of a row it could not adjust.
 BUILTIN_LOGITS = "logits"
@@ -82,6 +83,8 @@ class StepSampler:
         rows that cannot be sampled, get no token: their requests are named in
         ``SampledTokens.errors`` and fail alone. Blocks (it reads the tokens back)."""
         sampled = self._sample_tokens(scheduler_output, logits)
+        if model_output.draft_req_ids:  # speculative decoding: keep the drafts that hold
+            sampled = verify_greedy(sampled, scheduler_output, model_output)
         if model_output.prompt_logits is not None or any(
             r.sampling.logprobs is not None for r in scheduler_output.requests
         ):

@@ -11,6 +11,6 @@ graph variant that uses them (``verify`` in place of ``sample``, ``propose`` aft
 """
 
 from stages.speculative.ngram import NgramProposer
-from stages.speculative.verify import accept_greedy, accept_sampled
+from stages.speculative.verify import accept_greedy, accept_sampled, speculates, verify_greedy
 
-__all__ = ["NgramProposer", "accept_greedy", "accept_sampled"]
+__all__ = ["NgramProposer", "accept_greedy", "accept_sampled", "speculates", "verify_greedy"]

@@ -25,9 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import torch
 
-__all__ = ["accept_greedy", "accept_sampled"]
+from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
+from pipeline.sampling_params import SAMPLING_EPS, SamplingParams
+
+__all__ = ["accept_greedy", "accept_sampled", "speculates", "verify_greedy"]
 
 
 def accept_greedy(target_argmax: Sequence[int] | torch.Tensor, drafts: Sequence[int]) -> list[int]:
@@ -92,3 +96,41 @@ def accept_sampled(
         return kept
     kept.append(int(torch.multinomial(p[k], 1, generator=generator)))
     return kept
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request with these parameters gets drafts: greedy, with nothing that
+    processes its logits (penalties, ``logit_bias``, ``min_tokens``, a grammar) and no
+    logprobs. Its drafts are then verified by argmax alone (:func:`verify_greedy`), and
+    its tokens are those of decoding without speculation."""
+    return (
+        params.temperature < SAMPLING_EPS
+        and not params.adjusts_logits
+        and params.logprobs is None
+        and params.structured_outputs is None
+    )
+
+
+def verify_greedy(
+    sampled: SampledTokens, scheduler_output: SchedulerOutput, model_output: ModelOutput
+) -> SampledTokens:
+    """``sampled`` with each drafted request's kept drafts and the target's next token
+    (:func:`accept_greedy` over its sampled token and the argmax of its draft rows,
+    ``ModelOutput.draft_logits``). A request that failed, or that does not
+    :func:`speculates`, keeps its one sampled token: its drafts are all rejected."""
+    rows = model_output.draft_logits
+    if rows is None or not model_output.draft_req_ids:
+        return sampled
+    by_id = {r.req_id: r for r in scheduler_output.requests}
+    choices = rows.argmax(dim=-1).tolist()
+    token_ids = dict(sampled.token_ids)
+    start = 0
+    for req_id in model_output.draft_req_ids:
+        request = by_id[req_id]
+        drafts = request.draft_token_ids
+        mine = choices[start : start + len(drafts)]
+        start += len(drafts)
+        first = token_ids.get(req_id)
+        if first is not None and len(first) == 1 and speculates(request.sampling):
+            token_ids[req_id] = tuple(accept_greedy([first[0], *mine], drafts))
+    return attrs.evolve(sampled, token_ids=token_ids)

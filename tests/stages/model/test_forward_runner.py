@@ -15,6 +15,7 @@ from pipeline.artifacts import ScheduledRequest, SchedulerOutput
 from pipeline.config import SamplingParams
 from pipeline.errors import InvalidConfigError, InvalidRequestError, StageError
 from stages.model import ModelRunner
+from stages.speculative import accept_greedy
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -258,7 +259,8 @@ class TestExecute:
         torch.testing.assert_close(out.draft_logits[1], ref[2], atol=1e-4, rtol=0)
         sampled = runner.sample(_step(5, spec), attrs.evolve(out, req_ids=("spec",),
                                                              logits=out.logits[:1]))  # fmt: skip
-        assert len(sampled.token_ids["spec"]) == 1  # drafts are not verified here (yet)
+        choices = [int(out.logits[0].argmax()), *out.draft_logits.argmax(-1).tolist()]
+        assert sampled.token_ids["spec"] == tuple(accept_greedy(choices, tokens[1:]))
 
     def test_a_step_without_drafts_has_no_draft_rows(self, runner: ModelRunner) -> None:
         out = runner.execute(_step(0, _req("a", [1, 2, 3])))

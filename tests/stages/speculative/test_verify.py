@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.speculative import accept_greedy, accept_sampled
+from pipeline.artifacts import ModelOutput, SampledTokens, ScheduledRequest, SchedulerOutput
+from pipeline.sampling_params import SamplingParams
+from stages.speculative import accept_greedy, accept_sampled, speculates, verify_greedy
 
 # Chi-square critical value, 3 degrees of freedom (a 4-token vocabulary), p = 0.001.
 CHI2_DF3_P001 = 16.27
@@ -99,3 +101,43 @@ class TestSampledEdges:
             accept_sampled(p, [1])
         with pytest.raises(ValueError, match="draft_probs"):
             accept_sampled(p, [1, 2], torch.full((2, 5), 0.2))
+
+
+def _scheduled(req_id: str, drafts: tuple[int, ...], params: SamplingParams) -> ScheduledRequest:
+    return ScheduledRequest(
+        req_id=req_id, token_ids=(1,), num_computed_tokens=5, block_ids=(), new=False,
+        sampling=params, sample=True, num_output_tokens=1, draft_token_ids=drafts,
+    )  # fmt: skip
+
+
+class TestVerifyGreedy:
+    def test_only_requests_that_speculate_keep_drafts(self) -> None:
+        """A greedy request keeps its drafts up to the first wrong one and the target's
+        token there; a sampling request, a penalised one and a failed one keep what
+        was sampled (their drafts are rejected)."""
+        greedy = SamplingParams(temperature=0.0)
+        requests = (
+            _scheduled("g", (4, 5, 6), greedy),
+            _scheduled("s", (4, 5), SamplingParams(temperature=0.8)),
+            _scheduled("p", (4,), SamplingParams(temperature=0.0, repetition_penalty=1.2)),
+            _scheduled("f", (4,), greedy),
+        )
+        vocab = 8
+        argmax = [5, 9, 6, 4, 5, 4, 4]  # g: after 4 -> 5, after 5 -> 9 (≠ 6), ...
+        rows = torch.nn.functional.one_hot(torch.tensor(argmax) % vocab, vocab).float()
+        rows[1] = torch.nn.functional.one_hot(torch.tensor(1), vocab).float()  # 9 -> 1
+        out = ModelOutput(
+            req_ids=("g", "s", "p"), logits=torch.zeros(3, vocab),
+            draft_req_ids=("g", "s", "p", "f"), draft_logits=rows,
+        )  # fmt: skip
+        sampled = SampledTokens(token_ids={"g": 4, "s": 3, "p": 4}, errors={"f": "bad row"})
+        step = SchedulerOutput(step_id=1, requests=requests)
+        got = verify_greedy(sampled, step, out)
+        assert got.token_ids == {"g": (4, 5, 1), "s": (3,), "p": (4,)}
+        assert got.errors == {"f": "bad row"}
+        assert [speculates(r.sampling) for r in requests] == [True, False, False, True]
+
+    def test_no_drafts_changes_nothing(self) -> None:
+        sampled = SampledTokens(token_ids={"a": 3})
+        out = ModelOutput(req_ids=("a",), logits=torch.zeros(1, 4))
+        assert verify_greedy(sampled, SchedulerOutput(step_id=0, requests=()), out) is sampled
