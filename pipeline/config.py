@@ -35,6 +35,7 @@ from pipeline.sampling_params import (
     SAMPLING_EPS,
     SamplingParams,
 )
+from pipeline.speculative_config import SpeculativeConfig
 
 __all__ = [
     "DTYPES",
@@ -280,6 +281,15 @@ class EngineConfig:
             With ``executor`` ``multiproc`` or ``ray`` a class is stored as its
             ``"module:qualname"`` path (the workers import it), so it must be defined at
             the top level of an importable module.
+        speculative_config: Speculative decoding, as vLLM's dict (``--speculative-config
+            JSON``): ``{"method": "ngram", "num_speculative_tokens": k,
+            "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
+            (:class:`~pipeline.speculative_config.SpeculativeConfig`). Each step, greedy
+            requests with nothing processing their logits get up to k drafts from an
+            n-gram of their own text; one forward pass verifies them, and the tokens are
+            those of decoding without it. ``None`` (the default): off. Not yet with
+            async scheduling, a connector, logits processors, or worker processes
+            (refused by name).
         structured_outputs_backend: The grammar backend of structured outputs (vLLM's
             ``structured_outputs_config.backend``): ``"llguidance"`` (the default,
             ``kvstep[structured]``) or ``"xgrammar"`` (``pip install xgrammar``; JSON
@@ -321,6 +331,7 @@ class EngineConfig:
     )
     cuda_graphs: bool = attrs.field(default=False, validator=_cuda_graphs)
     keep_freed_memory: bool = attrs.field(default=True, validator=_bool)
+    speculative_config: dict[str, Any] | None = attrs.field(default=None)
     engine_id: str | None = attrs.field(default=None, validator=_engine_id)
     logits_processors: tuple[LogitsProcessorEntry, ...] = attrs.field(
         default=(), converter=_entries
@@ -334,6 +345,29 @@ class EngineConfig:
             self.logits_processors, by_path=self.executor != "inprocess"
         )
         object.__setattr__(self, "logits_processors", entries)
+        if self.speculative_config is not None:
+            self._check_speculative()
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` checked (``None``: speculative decoding is off)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
+
+    def _check_speculative(self) -> None:
+        SpeculativeConfig.parse(self.speculative_config or {})
+        value = self.speculative_config
+        for refused, why in (
+            (self.async_scheduling, "async_scheduling (drafts would follow tokens in flight)"),
+            (self.connector is not None, f"a connector ({self.connector!r})"),
+            (bool(self.logits_processors), "logits_processors (drafts are verified by argmax)"),
+            (self.executor != "inprocess", f"executor={self.executor!r} (in-process only)"),
+        ):
+            if refused:
+                raise InvalidConfigError(
+                    "speculative_config", value, f"is not supported yet with {why}"
+                )
 
 
 def config_values(config: EngineConfig, settings: type[Any], **renamed: str) -> dict[str, Any]:

@@ -23,9 +23,11 @@ from stages.finished import FinishedStage, UnsentTransfers
 from stages.forward import ForwardStage
 from stages.load import LoadStage
 from stages.logits import LogitsAdjustStage
+from stages.propose import ProposeStage
 from stages.sample import SampleStage
 from stages.save import SaveStage
 from stages.schedule import ScheduleStage, StepLink
+from stages.speculative import NgramProposer
 from stages.structured import GrammarRows, StructuredOutputStage
 from stages.update import UpdateStage
 
@@ -83,6 +85,7 @@ def default_engine_graph(
     aggregator: FanInAggregator,
     fan_in_timeout_s: float = 300.0,
     ahead: bool = False,
+    proposer: NgramProposer | None = None,
 ) -> StepGraph:
     """The engine graph: schedule, run the ranks, merge, update; a failed step fails
     its requests in the ``fail_step`` finalizer.
@@ -92,6 +95,8 @@ def default_engine_graph(
     is the deadline under which ``execute`` awaits every rank's output. ``ahead``
     (async scheduling): every step's :class:`~stages.schedule.StepLink` is an
     input of the graph, which ``schedule`` takes to plan ahead of the step before.
+    ``proposer`` (speculative decoding): a ``propose`` stage after ``update`` gives the
+    running requests their drafts for the next step (:class:`~stages.propose.ProposeStage`).
     """
     return StepGraph(
         [
@@ -99,6 +104,7 @@ def default_engine_graph(
             ExecuteStage(executor, timeout_s=fan_in_timeout_s),
             FanInStage(aggregator),
             UpdateStage(scheduler),
+            *([ProposeStage(scheduler, proposer)] if proposer is not None else []),
             FailStepStage(scheduler, aggregator, executor),
         ],
         inputs=(StepLink,) if ahead else (),

@@ -41,6 +41,7 @@ from stages.graphs import default_engine_graph
 from stages.model.builtin import tokenizer_dir
 from stages.schedule import StepLink
 from stages.scheduler.scheduler import Scheduler
+from stages.speculative import NgramProposer
 from stages.structured import tokenizer_info
 
 __all__ = ["EngineCore", "GraphArg"]
@@ -120,6 +121,7 @@ class EngineCore:
                 aggregator=self.aggregator,
                 fan_in_timeout_s=config.fan_in_timeout_s,
                 ahead=config.async_scheduling,
+                proposer=_proposer(config),
             ),
         )
         self.async_scheduling = config.async_scheduling
@@ -397,3 +399,13 @@ class EngineCore:
             if self.kv_events is not None:
                 self.kv_events.close()
             self.step_log.close()
+
+
+def _proposer(config: EngineConfig) -> NgramProposer | None:
+    """The drafts' proposer of ``config.speculative_config`` (``None``: off)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    return NgramProposer(
+        k=spec.num_speculative_tokens, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max
+    )

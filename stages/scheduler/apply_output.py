@@ -154,7 +154,10 @@ def apply_output(
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
-        _take_back_rejected(request, item, tokens)
+        if item.draft_token_ids:
+            rejected = _take_back_rejected(request, item, tokens)
+            state.num_draft_tokens += len(item.draft_token_ids)
+            state.num_accepted_tokens += len(item.draft_token_ids) - rejected
         new_tokens, status = append_tokens(request, tokens, policy.max_model_len)
         if request.logprobs is not None and len(request.logprobs) > request.num_output_tokens:
             del request.logprobs[request.num_output_tokens :]  # those of dropped tokens

@@ -15,7 +15,7 @@ loop); none of it awaits, so there is no cancellation point inside a call.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
 from connectors.base import KVConnectorScheduler
@@ -254,6 +254,27 @@ class Scheduler:
         outputs = apply_output(self._state, scheduler_output, output, self._update_policy)
         self._state.kv.forget_step(scheduler_output.step_id)
         return self._take_pending(outputs)
+
+    @property
+    def spec_decode_counts(self) -> tuple[int, int]:
+        """Speculative drafts computed so far, and how many of them were kept."""
+        return self._state.num_draft_tokens, self._state.num_accepted_tokens
+
+    def propose_drafts(self, drafts: Callable[[Request], list[int]]) -> int:
+        """Give each running request whose next step is a decode the drafts
+        ``drafts(request)`` returns (speculative decoding; the next :meth:`schedule` puts
+        them after its token); the number of drafts given. Call after
+        :meth:`update_from_output`, not while a step is planned ahead."""
+        given = 0
+        for request in self._state.running:
+            if request.status != RequestStatus.RUNNING:
+                continue
+            if request.num_computed_tokens != request.num_tokens - 1:
+                request.draft_token_ids = []
+                continue
+            request.draft_token_ids = list(drafts(request))
+            given += len(request.draft_token_ids)
+        return given
 
     def _take_pending(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Prepend the outputs of requests that failed while the step was planned."""

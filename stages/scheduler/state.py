@@ -103,6 +103,9 @@ class SchedulerState:
         load_failures: Requests whose KV failed to load, by cause (their first failed
             block's): the first of each cause is logged at warning level, the rest at
             debug level with this count.
+        num_draft_tokens: Speculative drafts the steps applied so far computed.
+        num_accepted_tokens: Of those, the ones kept (equal to the token sampled at
+            their position).
     """
 
     kv: KVCacheManager
@@ -119,6 +122,8 @@ class SchedulerState:
     num_expired_sending: int = 0
     num_expired_recving: int = 0
     load_failures: dict[str, int] = attrs.field(factory=dict)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def finish_all(
         self, req_ids: Iterable[str], status: RequestStatus, error: str | None

@@ -1,0 +1,111 @@
+"""Speculative decoding with n-gram drafts (issue 28): the tokens are those of decoding
+without it, drafts are really proposed and accepted, and what is not built yet is refused
+by name."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from pipeline import LLM, EngineConfig, SamplingParams
+from pipeline.errors import InvalidConfigError
+from stages.propose import ProposeStage
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}  # fmt: skip
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    phrase = [rng.randrange(3, 250) for _ in range(7)]
+    repetitive = [t for _ in range(6) for t in phrase]  # copy-edit-like: spans repeat
+    return [repetitive, [rng.randrange(3, 250) for _ in range(29)], repetitive[:20] * 2]
+
+
+def _run(prompts: list[list[int]], params: Any, **config: Any) -> tuple[list[tuple[int, ...]], int]:
+    """Each output's tokens, and the drafts the engine proposed (0 without speculation);
+    with speculation, checks that the drafts computed were counted and some were kept."""
+    proposed = [0]
+    with LLM(EngineConfig(model="builtin:tiny", **config)) as llm:
+        stage = next(
+            (s for s in llm.engine.core.engine_graph.stages if isinstance(s, ProposeStage)), None
+        )
+        if stage is not None:
+            scheduler, inner = stage.scheduler, stage.scheduler.propose_drafts
+
+            def counting(drafts: Any) -> int:
+                given = inner(drafts)
+                proposed[0] += given
+                return given
+
+            object.__setattr__(scheduler, "propose_drafts", counting)
+        outputs = llm.generate(prompts, params)
+        computed, kept = llm.engine.core.scheduler.spec_decode_counts
+        if stage is not None:
+            assert 0 < kept <= computed <= proposed[0], (kept, computed, proposed)
+        else:
+            assert computed == kept == 0
+    return [tuple(o.token_ids) for o in outputs], proposed[0]
+
+
+class TestGreedyTokens:
+    def test_equal_with_and_without_speculation(self) -> None:
+        """Repetitive and random prompts in one batch: the same greedy tokens, and
+        drafts were proposed (the model's own loops and the prompts' repeats)."""
+        prompts = _prompts()
+        plain, none = _run(prompts, GREEDY)
+        spec, proposed = _run(prompts, GREEDY, speculative_config=NGRAM)
+        assert none == 0 and proposed > 0
+        assert spec == plain
+
+    def test_a_batch_mixing_greedy_and_seeded_sampling(self) -> None:
+        """A seeded sampling request beside greedy ones gets no drafts and its own
+        tokens; the greedy ones keep theirs."""
+        prompts = _prompts()
+        params = [GREEDY, SamplingParams(max_tokens=40, temperature=0.9, seed=3,
+                                         ignore_eos=True), GREEDY]  # fmt: skip
+        plain, _ = _run(prompts, params)
+        spec, proposed = _run(prompts, params, speculative_config=NGRAM)
+        assert proposed > 0 and spec == plain
+
+    def test_without_prefix_caching_and_with_one_draft(self) -> None:
+        prompts = _prompts()
+        config = {"enable_prefix_caching": False}
+        plain, _ = _run(prompts, GREEDY, **config)
+        one = {**NGRAM, "num_speculative_tokens": 1}
+        spec, proposed = _run(prompts, GREEDY, speculative_config=one, **config)
+        assert proposed > 0 and spec == plain
+
+
+class TestConfig:
+    @pytest.mark.parametrize(
+        ("value", "match"),
+        [
+            ({"method": "draft_model", "num_speculative_tokens": 2}, "draft_model"),
+            ({"method": "ngram"}, "num_speculative_tokens"),
+            ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+            ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys"),
+            ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_min"),
+            ("ngram", "must be a dict"),
+        ],
+    )
+    def test_bad_configs_name_what_is_wrong(self, value: Any, match: str) -> None:
+        with pytest.raises(InvalidConfigError, match=match):
+            EngineConfig(model="builtin:tiny", speculative_config=value)
+
+    @pytest.mark.parametrize(
+        ("options", "match"),
+        [
+            ({"async_scheduling": True}, "async_scheduling"),
+            ({"connector": "shared_storage"}, "connector"),
+            ({"executor": "multiproc"}, "executor"),
+        ],
+    )
+    def test_not_yet_supported_combinations_are_refused(
+        self, options: dict[str, Any], match: str
+    ) -> None:
+        with pytest.raises(InvalidConfigError, match=match):
+            EngineConfig(model="builtin:tiny", speculative_config=NGRAM, **options)
