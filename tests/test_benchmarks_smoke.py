@@ -109,6 +109,19 @@ TINY_ARGS = {
         "4,8",
     ],
     "structured.py": ["--concurrency", "2", "--rounds", "1", "--schemas", "4"],
+    "spec_decode.py": [
+        "--model",
+        "builtin:tiny",
+        "--vocab",
+        "256",
+        "--batches",
+        "1",
+        "2",
+        "--new-tokens",
+        "24",
+        "--rounds",
+        "1",
+    ],
     "throughput.py": [
         "--prompts",
         "2",
@@ -210,6 +223,17 @@ def _check_structured(result: dict) -> None:
         assert 0 < row["compile"]["cached_p50_ms"] <= row["compile"]["cached_p99_ms"]
 
 
+def _check_spec_decode(result: dict) -> None:
+    """Both workloads at each batch size, identical greedy tokens, drafts counted."""
+    rows = result["results"]
+    assert {(r["workload"], r["batch"]) for r in rows} == {
+        (w, b) for w in ("copy-edit", "random") for b in (1, 2)
+    }
+    for row in rows:
+        assert row["identical"] is True and row["ratio"] > 0
+        assert 0 <= row["kept"] <= row["drafts"]
+
+
 def _check_vs_vllm(result: dict) -> None:
     """Without vLLM the comparison is skipped, and says so (no made-up figures)."""
     if importlib.util.find_spec("vllm") is None:
@@ -220,6 +244,7 @@ CHECKS = {
     "vs_vllm.py": _check_vs_vllm,
     "vs_vllm_serve.py": _check_vs_vllm,
     "structured.py": _check_structured,
+    "spec_decode.py": _check_spec_decode,
     "step_overhead.py": _check_step_overhead,
     "serve.py": _check_serve,
     "routing.py": _check_routing,

@@ -1,0 +1,126 @@
+"""Speculative decoding with n-gram drafts against plain decoding (issue 28).
+
+    python benchmarks/spec_decode.py [--model PATH|builtin:tiny] [--batches 1 8]
+        [--new-tokens 128] [--k 4] [--rounds 3] [--json PATH]
+
+Two workloads, greedy, ``ignore_eos``, on one model (default: the throughput benchmark's
+random ~32M Llama, built once; ``--model`` for another):
+
+* **copy-edit**: each prompt is a 16-token phrase repeated, so the text repeats spans of
+  the prompt and prompt lookup has something to find;
+* **random**: random prompts (a random model's greedy output may still loop, which n-gram
+  then finds too; with a real model this is where speculation must cost little).
+
+For each batch size (``--batches``), decode tokens/s without speculation and with
+``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+"prompt_lookup_min": 2}`` (best of ``--rounds`` after one untimed run, each engine in
+this process in turn), their ratio, the drafts computed and kept (acceptance rate), and
+whether the greedy tokens were identical. Goal: >= 1.8x at batch 1 on copy-edit; no
+more than 10% slower on random. JSON: ``benchmarks/results/spec_decode.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _results import RESULTS, cpu, save
+from throughput import build_model
+
+from pipeline import LLM, EngineConfig, SamplingParams
+
+PHRASE_LEN = 16
+PROMPT_LEN = 192
+GOAL_COPY_EDIT = 1.8
+
+
+def _prompts(kind: str, batch: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    if kind == "copy-edit":
+        out = []
+        for _ in range(batch):
+            phrase = [rng.randrange(3, vocab) for _ in range(PHRASE_LEN)]
+            out.append(phrase * (PROMPT_LEN // PHRASE_LEN))
+        return out
+    return [[rng.randrange(3, vocab) for _ in range(PROMPT_LEN)] for _ in range(batch)]
+
+
+def _measure(model: str, prompts: list[list[int]], params: SamplingParams, rounds: int,
+             spec: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    config = EngineConfig(model=model, speculative_config=spec, max_num_seqs=len(prompts),
+                          max_model_len=PROMPT_LEN + params.max_tokens + 16)  # fmt: skip
+    with LLM(config) as llm:
+        scheduler = llm.engine.core.scheduler
+        llm.generate(prompts, params)
+        before = scheduler.spec_decode_counts
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            best = min(best, time.perf_counter() - start)
+        after = scheduler.spec_decode_counts
+    drafts, kept = after[0] - before[0], after[1] - before[1]
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"seconds": best, "tokens_per_s": tokens / best, "drafts": drafts, "kept": kept,
+            "token_ids": [list(o.token_ids) for o in outputs]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="a model path (default: built here)")
+    parser.add_argument("--vocab", type=int, default=None, help="prompt ids below this")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=RESULTS / "spec_decode.json")
+    args = parser.parse_args(argv)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2}  # fmt: skip
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, vocab = args.model, args.vocab
+        if model is None:
+            model, vocab = str(Path(tmp) / "llama"), 8192
+            build_model(Path(model), vocab_size=vocab)
+        vocab = vocab or 256
+        for kind in ("copy-edit", "random"):
+            for batch in args.batches:
+                prompts = _prompts(kind, batch, vocab, seed=batch)
+                plain = _measure(model, prompts, params, args.rounds, None)
+                fast = _measure(model, prompts, params, args.rounds, spec)
+                rate = round(fast["kept"] / fast["drafts"], 3) if fast["drafts"] else None
+                rows.append({
+                    "workload": kind, "batch": batch,
+                    "plain_tokens_per_s": round(plain["tokens_per_s"], 1),
+                    "ngram_tokens_per_s": round(fast["tokens_per_s"], 1),
+                    "ratio": round(fast["tokens_per_s"] / plain["tokens_per_s"], 3),
+                    "drafts": fast["drafts"], "kept": fast["kept"],
+                    "acceptance": rate,
+                    "identical": plain["token_ids"] == fast["token_ids"],
+                })  # fmt: skip
+    print(f"CPU: {cpu()}; model {args.model or 'random ~32M Llama'}; ngram k={args.k}")
+    print(f"{'workload':<11}{'batch':>6}{'plain tok/s':>13}{'ngram tok/s':>13}{'ratio':>8}"
+          f"{'accepted':>10}{'identical':>11}")  # fmt: skip
+    for r in rows:
+        rate = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        print(f"{r['workload']:<11}{r['batch']:>6}{r['plain_tokens_per_s']:>13.1f}"
+              f"{r['ngram_tokens_per_s']:>13.1f}{r['ratio']:>7.2f}x{rate:>10}"
+              f"{r['identical']!s:>11}")  # fmt: skip
+    result = {"cpu": cpu(), "model": args.model or "random ~32M Llama", "k": args.k,
+              "new_tokens": args.new_tokens, "goal_copy_edit_batch1": GOAL_COPY_EDIT,
+              "results": rows}  # fmt: skip
+    save(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
