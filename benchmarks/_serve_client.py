@@ -39,9 +39,19 @@ WORDS = tuple(_VOCABULARY.split())
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range (a port found by binding
+    port 0 may be handed to another connection before the server binds it)."""
+    low = 32_768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    while True:
+        port = rng.randrange(10_000, max(10_001, low))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
         return port
 
 

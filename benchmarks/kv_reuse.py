@@ -27,6 +27,7 @@ import attrs
 import torch
 from _models import save_random_llama
 from _results import RESULTS, save
+from _serve_client import free_port
 
 from pipeline import LLM, EngineConfig, SamplingParams
 
@@ -190,7 +191,6 @@ def _redis_options(tmp: Path, blocks: int) -> dict[str, Any]:
     import atexit
     import os
     import shutil
-    import socket
     import subprocess
     import uuid
 
@@ -198,9 +198,7 @@ def _redis_options(tmp: Path, blocks: int) -> dict[str, Any]:
 
     url = os.environ.get("KVSTEP_REDIS_URL")
     if not url:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         server = shutil.which("redis-server") or "redis-server"
         args = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
         proc = subprocess.Popen(

@@ -42,19 +42,27 @@ BLOCK_SIZE = 16  # kvstep serve's default --block-size
 ENGINES = ("producer", "consumer", "reference")
 
 
-def free_port(count: int = 1) -> int:
-    """A loopback port ``p`` with ``p .. p + count - 1`` free (rank r serves on p + r)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
         try:
-            for offset in range(1, count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port + offset))
+            sock.bind(("127.0.0.1", port))
         except OSError:
-            continue
-        return port
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A loopback port ``p`` with ``p .. p + count - 1`` free (rank r serves on p + r),
+    below the kernel's ephemeral range: a port found by binding port 0 may be handed to
+    another connection on this machine before the server binds it."""
+    low = 32_768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    while True:
+        port = rng.randrange(10_000, max(10_001, low - count))
+        if all(_bindable(p) for p in range(port, port + count)):
+            return port
 
 
 class Cluster:
