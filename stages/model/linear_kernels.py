@@ -95,36 +95,6 @@ def requested_kernel() -> str:
     return value
 
 
-class PackedLinear(nn.Module):
-    """A linear layer on oneDNN with its weight prepacked (``y = x W^T + b``).
-
-    Args:
-        linear: The layer to replace; its weight is packed once (the module keeps no
-            reference to the original).
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        with torch.no_grad():
-            weight = linear.weight.detach()
-            self.in_features = linear.in_features
-            self.out_features = linear.out_features
-            self.register_buffer(
-                "packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False
-            )
-            bias = None if linear.bias is None else linear.bias.detach().clone()
-            self.register_buffer("bias", bias, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x, self.packed, self.bias, "none", [], ""
-        )
-        return out
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
-
-
 class FusedPackedLinear(nn.Module):
     """Projections of one input run as one prepacked oneDNN GEMM: their weights (and
     biases) stacked by output features, packed once (no reference to the originals kept).
@@ -163,6 +133,22 @@ class FusedPackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, sizes={self.sizes}, onednn"
+
+
+class PackedLinear(FusedPackedLinear):
+    """A linear layer on oneDNN with its weight prepacked (``y = x W^T + b``): the
+    one-projection case of :class:`FusedPackedLinear`.
+
+    Args:
+        linear: The layer to replace; its weight is packed once (the module keeps no
+            reference to the original).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__([linear])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
 class PackedPart(nn.Module):
