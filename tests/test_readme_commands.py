@@ -262,3 +262,11 @@ def _block_value(text: str, name: str) -> Any:
         ]:
             return ast.literal_eval(node.value)
     raise LookupError(f"the block assigns no {name}")
+
+
+class TestSpeculativeDecodingBlock:
+    def test_the_block_runs_and_keeps_the_tokens(self, tmp_path: Path) -> None:
+        """The "Speculative decoding" block, typed as is (default model): the engine
+        with n-gram drafts gives the tokens of the one without."""
+        out = run_python_block(readme_block('"method": "ngram"', "python"), tmp_path)
+        assert out.strip() == "same tokens"
