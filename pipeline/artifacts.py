@@ -33,6 +33,7 @@ __all__ = [
     "SampledTokens",
     "ScheduledRequest",
     "SchedulerOutput",
+    "SpecDecodeStats",
     "TokenIds",
     "WorkerOutput",
 ]
@@ -501,11 +502,69 @@ class FanInOutput:
 
 
 @attrs.frozen(kw_only=True)
+class SpecDecodeStats:
+    """Speculative decoding's drafts and what became of them, over one step or many
+    (``+`` adds two); vLLM's ``SpecDecodingStats``.
+
+    Attributes:
+        num_drafts: Requests that had drafts verified (one draft sequence each per step).
+        num_draft_tokens: Drafts verified.
+        num_accepted_tokens: Of those, the ones kept.
+        accepted_per_position: How often the draft at each position (0: the first after
+            the request's token) was kept; its length is the longest draft sequence seen.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    def with_draft(self, drafted: int, accepted: int) -> SpecDecodeStats:
+        """These counts plus one request's ``drafted`` drafts, of which the first
+        ``accepted`` were kept."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"{accepted} drafts accepted of {drafted}")
+        return self + SpecDecodeStats(
+            num_drafts=1,
+            num_draft_tokens=drafted,
+            num_accepted_tokens=accepted,
+            accepted_per_position=(1,) * accepted + (0,) * (drafted - accepted),
+        )
+
+    def __add__(self, other: SpecDecodeStats) -> SpecDecodeStats:
+        """Two counts together (positions added one by one; the shorter padded)."""
+        mine, theirs = self.accepted_per_position, other.accepted_per_position
+        size = max(len(mine), len(theirs))
+        mine += (0,) * (size - len(mine))
+        theirs += (0,) * (size - len(theirs))
+        return SpecDecodeStats(
+            num_drafts=self.num_drafts + other.num_drafts,
+            num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
+            accepted_per_position=tuple(a + b for a, b in zip(mine, theirs, strict=True)),
+        )
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted (``None`` without drafts)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a drafted request got per step: one plus its kept drafts, on average
+        (vLLM's mean acceptance length; ``None`` without drafts)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@attrs.frozen(kw_only=True)
 class EngineStepOutput:
-    """The engine's result of one step: an output for every request that advanced."""
+    """The engine's result of one step: an output for every request that advanced,
+    the step's connector traffic (``stats``) and, when requests had speculative drafts
+    verified, what became of them (``spec_decode``)."""
 
     step_id: int
     outputs: tuple[RequestOutput, ...] = ()
     num_scheduled_tokens: int = 0
     num_requests: int = 0
     stats: KVStats = attrs.field(factory=KVStats)
+    spec_decode: SpecDecodeStats | None = None

@@ -30,10 +30,12 @@ class UpdateStage:
         scheduler_output = ctx.get(SchedulerOutput)
         merged = ctx.get(FanInOutput)
         outputs = self.scheduler.update_from_output(scheduler_output, merged)
+        spec = self.scheduler.step_spec_decode_stats
         return EngineStepOutput(
             step_id=scheduler_output.step_id,
             outputs=tuple(outputs),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             num_requests=len(scheduler_output.requests),
             stats=merged.stats,
+            spec_decode=spec if spec.num_drafts else None,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
 from pipeline.kernel.context import StepContext
@@ -45,7 +46,23 @@ def record_engine_step(step_log: StepLog, ctx: StepContext) -> None:
         failed_save_requests=sorted(merged.failed_save_req_ids) if merged is not None else [],
         **ahead,
         **_load_failures(merged),
+        **_spec_decode(out),
     )
+
+
+def _spec_decode(out: EngineStepOutput | None) -> dict[str, Any]:
+    """The step's speculative decoding counts (``spec_drafts``, ``spec_draft_tokens``,
+    ``spec_accepted_tokens``, ``spec_accepted_per_position``) when requests had drafts
+    verified, else nothing; ``/metrics`` and ``kvstep logs`` add them up."""
+    spec = out.spec_decode if out is not None else None
+    if spec is None:
+        return {}
+    return {
+        "spec_drafts": spec.num_drafts,
+        "spec_draft_tokens": spec.num_draft_tokens,
+        "spec_accepted_tokens": spec.num_accepted_tokens,
+        "spec_accepted_per_position": list(spec.accepted_per_position),
+    }
 
 
 def _load_failures(merged: FanInOutput | None) -> dict[str, dict[str, int]]:

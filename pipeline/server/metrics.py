@@ -238,6 +238,27 @@ class ServerMetrics:
             "Prompt tokens of finished requests served by the local prefix cache",
             registry=reg,
         )
+        self.spec_drafts = Counter(
+            "kvstep_spec_decode_num_drafts",
+            "Speculative draft sequences verified (one per drafted request and step)",
+            registry=reg,
+        )
+        self.spec_draft_tokens = Counter(
+            "kvstep_spec_decode_num_draft_tokens",
+            "Speculative draft tokens verified",
+            registry=reg,
+        )
+        self.spec_accepted_tokens = Counter(
+            "kvstep_spec_decode_num_accepted_tokens",
+            "Speculative draft tokens kept",
+            registry=reg,
+        )
+        self.spec_accepted_per_pos = Counter(
+            "kvstep_spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens kept, by position after the request's token (0: first)",
+            ["position"],
+            registry=reg,
+        )
         self.loop_lag_max = Gauge(
             "kvstep_event_loop_lag_max_seconds", "Largest event-loop lag seen", registry=reg
         )
@@ -262,6 +283,12 @@ class ServerMetrics:
         self.kv_health.record(loaded, failures)
         self.kv_saved.inc(int(fields.get("saved_tokens", 0) or 0))
         self.batch_tokens.inc(int(fields.get("num_tokens", 0) or 0))
+        if fields.get("spec_drafts"):
+            self.spec_drafts.inc(int(fields["spec_drafts"]))
+            self.spec_draft_tokens.inc(int(fields.get("spec_draft_tokens") or 0))
+            self.spec_accepted_tokens.inc(int(fields.get("spec_accepted_tokens") or 0))
+            for position, kept in enumerate(fields.get("spec_accepted_per_position") or ()):
+                self.spec_accepted_per_pos.labels(str(position)).inc(int(kept))
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Account a request's last output as the route receives it: its finish reason

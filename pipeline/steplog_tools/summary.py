@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import attrs
 
+from pipeline.artifacts import SpecDecodeStats
 from pipeline.errors import InvalidConfigError
 from pipeline.steplog_tools.plot import narrow_to_steps, parse_steps, write_plot
 from pipeline.steplog_tools.trace import trace_events, write_trace
@@ -124,6 +125,8 @@ class LogSummary:
         load_error_blocks: Blocks that failed to load.
         failed_save_requests: Requests whose save failed.
         stage_errors: ``(step_id, rank, stage, error)`` of every failed stage record.
+        spec_decode: Speculative drafts verified and kept over the engine steps
+            (all zero without speculative decoding).
         model: The last ``model`` record's fields (what the engine ran: model, dtype,
             linear kernel, ...), without ``event`` and ``ts``; empty when the log has none.
     """
@@ -144,7 +147,25 @@ class LogSummary:
     failed_save_requests: int
     stage_errors: tuple[tuple[Any, Any, str, str], ...]
     steps: tuple[int | None, int | None] = (None, None)
+    spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
     model: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def spec_decode_rows(self) -> list[tuple[str, str]]:
+        """The speculative decoding rows of the totals table (none without drafts)."""
+        spec = self.spec_decode
+        if not spec.num_drafts:
+            return []
+        rate = spec.acceptance_rate or 0.0
+        per_position = ", ".join(
+            f"{kept / spec.num_drafts:.0%}" for kept in spec.accepted_per_position
+        )
+        return [
+            ("speculative drafts (requests / tokens)",
+             f"{spec.num_drafts} / {spec.num_draft_tokens}"),
+            ("drafts accepted (tokens / rate)", f"{spec.num_accepted_tokens} / {rate:.1%}"),
+            ("mean acceptance length", f"{spec.mean_acceptance_length:.2f}"),
+            ("accepted per position (of drafted requests)", per_position),
+        ]  # fmt: skip
 
     def model_line(self) -> str:
         """``model: key=value, ...`` of :attr:`model` (empty when the log has none)."""
@@ -239,7 +260,20 @@ def summarize(
         failed_save_requests=sum(len(r.get("failed_save_requests") or ()) for r in engine_steps),
         stage_errors=tuple(stage_errors),
         steps=steps,
+        spec_decode=sum(map(_spec_decode, engine_steps), SpecDecodeStats()),
         model=model,
+    )
+
+
+def _spec_decode(record: Record) -> SpecDecodeStats:
+    """An engine step record's speculative decoding counts (zero when it has none)."""
+    if not record.get("spec_drafts"):
+        return SpecDecodeStats()
+    return SpecDecodeStats(
+        num_drafts=int(record["spec_drafts"]),
+        num_draft_tokens=int(record.get("spec_draft_tokens") or 0),
+        num_accepted_tokens=int(record.get("spec_accepted_tokens") or 0),
+        accepted_per_position=tuple(int(n) for n in record.get("spec_accepted_per_position") or ()),
     )
 
 
@@ -284,6 +318,7 @@ def print_summary(
         ("failed steps", summary.failed_steps),
         ("blocks failed to load", summary.load_error_blocks),
         ("requests whose save failed", summary.failed_save_requests),
+        *summary.spec_decode_rows(),
     ):
         totals.add_row(what, str(value))
     console.print(totals)

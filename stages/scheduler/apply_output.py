@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import attrs
 
 from connectors.base import KVConnectorOutput
-from pipeline.artifacts import FanInOutput, ScheduledRequest, SchedulerOutput
+from pipeline.artifacts import FanInOutput, ScheduledRequest, SchedulerOutput, SpecDecodeStats
 from pipeline.logger import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
 from stages.scheduler.state import SchedulerState, make_output
@@ -117,6 +117,7 @@ def apply_output(
     outputs: list[RequestOutput] = []
     discarded = _handle_load_errors(state, scheduler_output, output, policy, outputs)
     now: float | None = None
+    step_spec = SpecDecodeStats()
     for item in scheduler_output.requests:
         req_id = item.req_id
         request = state.requests.get(req_id)
@@ -155,9 +156,10 @@ def apply_output(
             request.first_token_time = now
         request.last_token_time = now
         if item.draft_token_ids:
-            rejected = _take_back_rejected(request, item, tokens)
-            state.num_draft_tokens += len(item.draft_token_ids)
-            state.num_accepted_tokens += len(item.draft_token_ids) - rejected
+            drafted = len(item.draft_token_ids)
+            step_spec = step_spec.with_draft(
+                drafted, drafted - _take_back_rejected(request, item, tokens)
+            )
         new_tokens, status = append_tokens(request, tokens, policy.max_model_len)
         if request.logprobs is not None and len(request.logprobs) > request.num_output_tokens:
             del request.logprobs[request.num_output_tokens :]  # those of dropped tokens
@@ -165,6 +167,8 @@ def apply_output(
         if status is not None:
             state.finish(request, status)
         outputs.append(make_output(request, new_tokens))
+    state.step_spec_decode = step_spec
+    state.spec_decode += step_spec
     _finish_recving(state, output.finished_recving)
     _finish_sending(state, output)
     _expire_transfers(state, output, outputs)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
 from connectors.base import KVConnectorScheduler
-from pipeline.artifacts import FanInOutput, SchedulerOutput
+from pipeline.artifacts import FanInOutput, SchedulerOutput, SpecDecodeStats
 from pipeline.block_hashes import BlockHasher
 from pipeline.checks import check_int
 from pipeline.config import EngineConfig
@@ -257,8 +257,20 @@ class Scheduler:
 
     @property
     def spec_decode_counts(self) -> tuple[int, int]:
-        """Speculative drafts computed so far, and how many of them were kept."""
-        return self._state.num_draft_tokens, self._state.num_accepted_tokens
+        """Speculative drafts verified so far, and how many of them were kept."""
+        stats = self._state.spec_decode
+        return stats.num_draft_tokens, stats.num_accepted_tokens
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        """Speculative decoding's counts over every step applied so far."""
+        return self._state.spec_decode
+
+    @property
+    def step_spec_decode_stats(self) -> SpecDecodeStats:
+        """Speculative decoding's counts of the step :meth:`update_from_output` applied
+        last."""
+        return self._state.step_spec_decode
 
     def propose_drafts(self, drafts: Callable[[Request], list[int]]) -> int:
         """Give each running request whose next step is a decode the drafts

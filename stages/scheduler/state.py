@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from connectors.base import KVConnectorScheduler
+from pipeline.artifacts import SpecDecodeStats
 from pipeline.block_hashes import BlockHasher
 from pipeline.errors import InvalidRequestError
 from pipeline.logger import get_logger
@@ -103,9 +104,9 @@ class SchedulerState:
         load_failures: Requests whose KV failed to load, by cause (their first failed
             block's): the first of each cause is logged at warning level, the rest at
             debug level with this count.
-        num_draft_tokens: Speculative drafts the steps applied so far computed.
-        num_accepted_tokens: Of those, the ones kept (equal to the token sampled at
-            their position).
+        spec_decode: Speculative drafts the steps applied so far verified, and the ones
+            kept (equal to the token sampled at their position).
+        step_spec_decode: The same, of the step applied last alone.
     """
 
     kv: KVCacheManager
@@ -122,8 +123,8 @@ class SchedulerState:
     num_expired_sending: int = 0
     num_expired_recving: int = 0
     load_failures: dict[str, int] = attrs.field(factory=dict)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
+    step_spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
 
     def finish_all(
         self, req_ids: Iterable[str], status: RequestStatus, error: str | None
