@@ -4,6 +4,7 @@ counted."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def _check_totals(stats: SpecDecodeStats) -> None:
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     per = stats.accepted_per_position
     assert len(per) == NGRAM["num_speculative_tokens"] and sum(per) == stats.num_accepted_tokens
-    assert all(a >= b for a, b in zip(per, per[1:], strict=False)), per
+    assert all(a >= b for a, b in itertools.pairwise(per)), per
 
 
 class TestStepLog:
