@@ -287,9 +287,9 @@ class EngineConfig:
             (:class:`~pipeline.speculative_config.SpeculativeConfig`). Each step, greedy
             requests with nothing processing their logits get up to k drafts from an
             n-gram of their own text; one forward pass verifies them, and the tokens are
-            those of decoding without it. ``None`` (the default): off. Not yet with
-            async scheduling, a connector, logits processors, or worker processes
-            (refused by name).
+            those of decoding without it. ``None`` (the default): off. A connector saves
+            and announces only blocks of kept tokens. Not yet with async scheduling,
+            logits processors, or worker processes (refused by name).
         structured_outputs_backend: The grammar backend of structured outputs (vLLM's
             ``structured_outputs_config.backend``): ``"llguidance"`` (the default,
             ``kvstep[structured]``) or ``"xgrammar"`` (``pip install xgrammar``; JSON
@@ -360,7 +360,6 @@ class EngineConfig:
         value = self.speculative_config
         for refused, why in (
             (self.async_scheduling, "async_scheduling (drafts would follow tokens in flight)"),
-            (self.connector is not None, f"a connector ({self.connector!r})"),
             (bool(self.logits_processors), "logits_processors (drafts are verified by argmax)"),
             (self.executor != "inprocess", f"executor={self.executor!r} (in-process only)"),
         ):

@@ -20,7 +20,7 @@ import attrs
 
 from pipeline.artifacts import EngineStepOutput
 from pipeline.kernel.context import StepContext
-from stages.speculative import NgramProposer, speculates
+from stages.speculative import Proposer, speculates
 
 if TYPE_CHECKING:
     from pipeline.request import Request
@@ -38,7 +38,7 @@ class ProposeStage:
     provides: ClassVar[None] = None
 
     scheduler: Scheduler
-    proposer: NgramProposer
+    proposer: Proposer
 
     def _drafts(self, request: Request) -> list[int]:
         if not speculates(request.sampling_params):

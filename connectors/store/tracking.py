@@ -32,10 +32,12 @@ log = get_logger()
 
 @attrs.define
 class RequestTracker:
-    """A request's block table as the workers have it, and the live request (hashes)."""
+    """A request's block table as the workers have it, the live request (hashes), and
+    the first block :func:`new_full_blocks` has not offered for a save yet."""
 
     request: Request
     block_ids: list[int]
+    next_block: int = 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,8 +83,16 @@ def track_scheduled(
 
 
 def new_full_blocks(tracker: RequestTracker, item: ScheduledRequest, block_size: int) -> range:
-    """The block indexes of ``item``'s request that become full in this step (and have
-    both a block id and a hash)."""
+    """The block indexes of ``item``'s request whose KV is complete once this step ran
+    and that have both a block id and a hash: those that become full in this step, and
+    those that became full in an earlier step with tokens not known then (speculative
+    drafts, kept since; a token still in flight), which had no hash until now. A block
+    filled with a draft later rejected never gets a hash from it: its position is
+    computed again before the block is offered."""
+    first = item.num_computed_tokens // block_size
+    if not item.new:
+        first = min(first, tracker.next_block)
     end = item.num_computed_tokens + len(item.token_ids)
     stop = min(end // block_size, len(tracker.block_ids), len(tracker.request.block_hashes))
-    return range(item.num_computed_tokens // block_size, stop)
+    tracker.next_block = max(first, stop)
+    return range(first, stop)

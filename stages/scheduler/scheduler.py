@@ -256,6 +256,11 @@ class Scheduler:
         return self._take_pending(outputs)
 
     @property
+    def num_preemptions(self) -> int:
+        """Requests preempted so far (a request preempted twice counts twice)."""
+        return self._state.num_preemptions
+
+    @property
     def spec_decode_counts(self) -> tuple[int, int]:
         """Speculative drafts verified so far, and how many of them were kept."""
         stats = self._state.spec_decode

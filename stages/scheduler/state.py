@@ -104,6 +104,7 @@ class SchedulerState:
         load_failures: Requests whose KV failed to load, by cause (their first failed
             block's): the first of each cause is logged at warning level, the rest at
             debug level with this count.
+        num_preemptions: Requests preempted so far (each time one was).
         spec_decode: Speculative drafts the steps applied so far verified, and the ones
             kept (equal to the token sampled at their position).
         step_spec_decode: The same, of the step applied last alone.
@@ -123,6 +124,7 @@ class SchedulerState:
     num_expired_sending: int = 0
     num_expired_recving: int = 0
     load_failures: dict[str, int] = attrs.field(factory=dict)
+    num_preemptions: int = 0
     spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
     step_spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
 
@@ -199,6 +201,7 @@ class SchedulerState:
         request.num_output_placeholders = 0  # a token in flight for it is dropped
         request.draft_token_ids = []  # drafts follow tokens it no longer has computed
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.sent_blocks.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
         self.waiting.appendleft(request)

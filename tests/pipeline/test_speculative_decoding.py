@@ -5,6 +5,7 @@ by name."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,6 +81,62 @@ class TestGreedyTokens:
         assert proposed > 0 and spec == plain
 
 
+class TestWithTheEnginesMachinery:
+    def test_preemption_under_kv_pressure(self) -> None:
+        """Too few blocks for the batch: requests are preempted (their drafts dropped)
+        and resumed, and the tokens stay those of a roomy engine without speculation."""
+        prompts = _prompts()
+        roomy, _ = _run(prompts, GREEDY)
+        config = EngineConfig(model="builtin:tiny", speculative_config=NGRAM, num_gpu_blocks=9)
+        with LLM(config) as llm:
+            got = [tuple(o.token_ids) for o in llm.generate(prompts, GREEDY)]
+            drafted, kept = llm.engine.core.scheduler.spec_decode_counts
+            assert llm.leak_report()["blocks_in_use"] == 0
+            assert llm.engine.core.scheduler.num_preemptions > 0
+        assert 0 < kept <= drafted
+        assert got == roomy
+
+    def test_prefix_cache_hits_give_the_same_tokens(self) -> None:
+        """The second run of the same prompts starts from the prefix cache (blocks
+        cached while drafts were verified) and gives the same tokens."""
+        prompts = _prompts()
+        plain, _ = _run(prompts, GREEDY)
+        with LLM(EngineConfig(model="builtin:tiny", speculative_config=NGRAM)) as llm:
+            first = llm.generate(prompts, GREEDY)
+            again = llm.generate([p + list(o.token_ids) for p, o in zip(prompts, first,
+                                  strict=True)], SamplingParams(max_tokens=8, temperature=0.0,
+                                  ignore_eos=True))  # fmt: skip
+        assert [tuple(o.token_ids) for o in first] == plain
+        # Everything the first run computed is cached: all of the prompt but its last
+        # token, to the block.
+        for prompt, out, second in zip(prompts, first, again, strict=True):
+            computed = len(prompt) + len(out.token_ids) - 1
+            assert second.num_cached_tokens == computed // 16 * 16
+
+    def test_shared_storage_second_engine_loads_what_the_first_saved(self, tmp_path: Path) -> None:
+        """A connector saves the blocks of kept tokens (blocks drafts filled too, a
+        step later); a second engine (empty prefix cache) loads them and gives the same
+        tokens."""
+        prompts = _prompts()
+        plain, _ = _run(prompts, GREEDY)
+        config = {"connector": "shared_storage",
+                  "connector_options": {"path": str(tmp_path / "store")}}  # fmt: skip
+        spec, _ = _run(prompts, GREEDY, speculative_config=NGRAM, **config)
+        assert spec == plain
+        longer = [p + list(t[:-1]) for p, t in zip(prompts, spec, strict=True)]
+        with LLM(EngineConfig(model="builtin:tiny", speculative_config=NGRAM, **config)) as llm:
+            outs = llm.generate(longer, SamplingParams(max_tokens=4, temperature=0.0,
+                                                       ignore_eos=True))  # fmt: skip
+        for prompt, out in zip(longer, outs, strict=True):
+            # All full blocks but the last one, which drafts may have filled in the
+            # request's last step (no step after it to save it).
+            assert out.num_cached_tokens >= (len(prompt) - 1) // 16 * 16 - 16, (
+                out.num_cached_tokens,
+                len(prompt),
+            )
+            assert out.num_cached_tokens > 0
+
+
 class TestConfig:
     @pytest.mark.parametrize(
         ("value", "match"),
@@ -100,7 +157,6 @@ class TestConfig:
         ("options", "match"),
         [
             ({"async_scheduling": True}, "async_scheduling"),
-            ({"connector": "shared_storage"}, "connector"),
             ({"executor": "multiproc"}, "executor"),
         ],
     )

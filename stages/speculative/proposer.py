@@ -1,0 +1,24 @@
+"""What ``propose`` asks of a drafts' proposer (:class:`Proposer`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Proposer"]
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Guesses a request's next tokens for speculative decoding.
+
+    Called by :class:`~stages.propose.ProposeStage` on the event loop, once per
+    speculating request and step, so it must be quick (the n-gram proposer takes
+    microseconds). Its guesses never change a request's tokens, only how many steps they
+    take: the target model verifies every draft.
+    """
+
+    def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
+        """Up to ``k`` drafts to follow ``token_ids`` (a request's prompt and output so
+        far); empty when it has no guess."""
+        ...
