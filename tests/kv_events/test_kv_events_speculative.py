@@ -127,6 +127,7 @@ class TestKVDiscipline:
                     core = llm.engine.core
                     cached = {external_block_hash(h) for h in core.scheduler.kv_cache_manager
                               .block_pool.cached}  # fmt: skip
+                    assert core.kv_events is not None
                     events = drain(sub, core.kv_events.publisher, index)
                     drafted, kept = core.scheduler.spec_decode_counts
             finally:
@@ -141,7 +142,7 @@ class TestKVDiscipline:
                 assert kept == 0
 
             # Every hash announced or cached is a block of some final sequence ...
-            blocks: dict[int, list[int]] = {}
+            blocks: dict[int | bytes, list[int]] = {}
             for final in finals:
                 for i, h in enumerate(prompt_block_hashes(final, BLOCK, hash_seed=0)):
                     blocks[h] = final[i * BLOCK : (i + 1) * BLOCK]
@@ -165,7 +166,5 @@ class TestKVDiscipline:
             assert reference.keys() - saved.keys() <= last, sorted(reference.keys() - saved.keys())
             for name, layers in saved.items():
                 for layer, value in layers.items():
-                    torch.testing.assert_close(
-                        value, reference[name][layer], rtol=1e-4, atol=1e-5,
-                        msg=lambda m, name=name, layer=layer: f"{name} {layer}: {m}",
-                    )  # fmt: skip
+                    gap = float((value - reference[name][layer]).abs().max())
+                    assert gap <= 1e-4, (name, layer, gap)

@@ -119,7 +119,7 @@ class TestWithTheEnginesMachinery:
         tokens."""
         prompts = _prompts()
         plain, _ = _run(prompts, GREEDY)
-        config = {"connector": "shared_storage",
+        config: dict[str, Any] = {"connector": "shared_storage",
                   "connector_options": {"path": str(tmp_path / "store")}}  # fmt: skip
         spec, _ = _run(prompts, GREEDY, speculative_config=NGRAM, **config)
         assert spec == plain
