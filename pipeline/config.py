@@ -288,8 +288,9 @@ class EngineConfig:
             requests with nothing processing their logits get up to k drafts from an
             n-gram of their own text; one forward pass verifies them, and the tokens are
             those of decoding without it. ``None`` (the default): off. A connector saves
-            and announces only blocks of kept tokens. Not yet with async scheduling,
-            logits processors, or worker processes (refused by name).
+            and announces only blocks of kept tokens; worker processes verify the
+            drafts as one forward pass does in-process. Not yet with async scheduling or
+            logits processors (refused by name).
         structured_outputs_backend: The grammar backend of structured outputs (vLLM's
             ``structured_outputs_config.backend``): ``"llguidance"`` (the default,
             ``kvstep[structured]``) or ``"xgrammar"`` (``pip install xgrammar``; JSON
@@ -361,7 +362,6 @@ class EngineConfig:
         for refused, why in (
             (self.async_scheduling, "async_scheduling (drafts would follow tokens in flight)"),
             (bool(self.logits_processors), "logits_processors (drafts are verified by argmax)"),
-            (self.executor != "inprocess", f"executor={self.executor!r} (in-process only)"),
         ):
             if refused:
                 raise InvalidConfigError(

@@ -82,6 +82,16 @@ class TestGreedyTokens:
 
 
 class TestWithTheEnginesMachinery:
+    def test_two_worker_processes(self) -> None:
+        """Tensor parallel over two processes: the drafts go out with the step's
+        requests, each rank computes its shard of them, rank 0 verifies; the tokens
+        are those of one in-process engine without speculation."""
+        prompts = _prompts()
+        plain, _ = _run(prompts, GREEDY)
+        spec, proposed = _run(prompts, GREEDY, speculative_config=NGRAM, executor="multiproc",
+                              world_size=2)  # fmt: skip
+        assert proposed > 0 and spec == plain
+
     def test_preemption_under_kv_pressure(self) -> None:
         """Too few blocks for the batch: requests are preempted (their drafts dropped)
         and resumed, and the tokens stay those of a roomy engine without speculation."""
@@ -157,7 +167,6 @@ class TestConfig:
         ("options", "match"),
         [
             ({"async_scheduling": True}, "async_scheduling"),
-            ({"executor": "multiproc"}, "executor"),
         ],
     )
     def test_not_yet_supported_combinations_are_refused(
