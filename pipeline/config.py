@@ -284,10 +284,11 @@ class EngineConfig:
         speculative_config: Speculative decoding, as vLLM's dict (``--speculative-config
             JSON``): ``{"method": "ngram", "num_speculative_tokens": k,
             "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
-            (:class:`~pipeline.speculative_config.SpeculativeConfig`). Each step, greedy
-            requests with nothing processing their logits get up to k drafts from an
-            n-gram of their own text; one forward pass verifies them, and the tokens are
-            those of decoding without it. ``None`` (the default): off. A connector saves
+            (:class:`~pipeline.speculative_config.SpeculativeConfig`). Each step,
+            requests with nothing but temperature, top-k/p and min-p processing their
+            logits (greedy or sampled) get up to k drafts from an n-gram of their own
+            text; one forward pass verifies them, and the tokens are distributed as
+            without it (greedy and seeded: the same tokens). ``None`` (the default): off. A connector saves
             and announces only blocks of kept tokens; worker processes verify the
             drafts as one forward pass does in-process. Not yet with async scheduling or
             logits processors (refused by name).

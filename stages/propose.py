@@ -3,12 +3,13 @@
 The engine graph of an engine with ``speculative_config`` is
 ``schedule → execute → fan_in → update → propose ⟂ fail_step``: once the step's tokens
 are applied, each running request that speculates
-(:func:`~stages.speculative.speculates`: greedy, nothing processing its logits) and
+(:func:`~stages.speculative.speculates`: nothing but temperature, top-k/p and
+min-p processing its logits, no logprobs) and
 whose next step is a decode gets up to ``num_speculative_tokens`` drafts from the
 proposer, fewer when its ``max_tokens`` or ``max_model_len`` leaves less room. The
 scheduler puts them after the request's token in the next step
 (:mod:`stages.scheduler.policy`), the forward pass computes them, ``sample`` keeps the
-ones that hold (:func:`~stages.speculative.verify_greedy`), and ``update`` takes the
+ones that hold (:func:`~stages.speculative.verify_drafts`), and ``update`` takes the
 rejected ones back (their KV is overwritten, never cached, saved or announced).
 """
 

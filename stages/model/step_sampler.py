@@ -3,16 +3,17 @@ that penalties and logits stages read."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.logits import Logits, LogitsBatch
+from pipeline.sampling_params import SamplingParams
 from stages.model.histories import TokenHistories
 from stages.model.logprobs import add_logprobs
 from stages.model.sampling import Sampler, adjust_logits
-from stages.speculative.verify import verify_greedy
+from stages.speculative.verify import verify_drafts
 
 #: The built-in logits stage's name, in the failure of a row it could not adjust.
 BUILTIN_LOGITS = "logits"
@@ -84,12 +85,22 @@ class StepSampler:
         ``SampledTokens.errors`` and fail alone. Blocks (it reads the tokens back)."""
         sampled = self._sample_tokens(scheduler_output, logits)
         if model_output.draft_req_ids:  # speculative decoding: keep the drafts that hold
-            sampled = verify_greedy(sampled, scheduler_output, model_output)
+            sampled = verify_drafts(sampled, scheduler_output, model_output, self._sample_drafts)
         if model_output.prompt_logits is not None or any(
             r.sampling.logprobs is not None for r in scheduler_output.requests
         ):
             return add_logprobs(sampled, scheduler_output, model_output)
         return sampled
+
+    def _sample_drafts(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        output_indices: Sequence[int],
+    ) -> list[int | None]:
+        """Draft rows sampled as their requests' tokens are (no adjustment: a request
+        whose logits are adjusted gets no drafts)."""
+        return self._sampler.sample_rows(logits, params, output_indices, adjust=False).tokens
 
     def sample(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> SampledTokens:
         """:meth:`logits` then :meth:`sample_logits`: the built-in graph's ``logits`` and

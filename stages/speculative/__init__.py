@@ -7,11 +7,25 @@ request's drafts after its last token and takes rejected ones back
 (:mod:`stages.scheduler.policy`, :mod:`stages.scheduler.apply_output`); the runner's
 forward pass computes them (their KV is written, their logits come back as
 ``ModelOutput.draft_logits``); ``sample`` keeps the ones that hold
-(:func:`verify_greedy`) and ``propose`` (:mod:`stages.propose`) sets the next step's.
+(:func:`verify_drafts`) and ``propose`` (:mod:`stages.propose`) sets the next step's.
 """
 
 from stages.speculative.ngram import NgramProposer
 from stages.speculative.proposer import Proposer
-from stages.speculative.verify import accept_greedy, accept_sampled, speculates, verify_greedy
+from stages.speculative.verify import (
+    DraftSampler,
+    accept_greedy,
+    accept_sampled,
+    speculates,
+    verify_drafts,
+)
 
-__all__ = ["NgramProposer", "Proposer", "accept_greedy", "accept_sampled", "speculates", "verify_greedy"]
+__all__ = [
+    "DraftSampler",
+    "NgramProposer",
+    "Proposer",
+    "accept_greedy",
+    "accept_sampled",
+    "speculates",
+    "verify_drafts",
+]

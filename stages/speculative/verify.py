@@ -17,21 +17,25 @@ yields between 1 and ``k + 1`` tokens and never a token the target would not giv
   guess) has ``q_i`` one-hot at ``x_i``: kept with probability ``p_i(x_i)``, else drawn
   from ``p_i`` without ``x_i``.
 
-The distributions are the processed ones (penalties, temperature, top-k/p applied), as
-the target's sampler would draw from. Run on the compute thread, after the logits stages.
+The distributions are the processed ones (temperature, top-k/p, min-p applied), as the
+target's sampler would draw from. For drafts without a distribution the rule is the
+same as sampling the target at every position and keeping the drafts that equal its
+draws (:func:`verify_drafts`, which the engine runs on the compute thread, after the
+logits stages).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import torch
 
 from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
-from pipeline.sampling_params import SAMPLING_EPS, SamplingParams
+from pipeline.sampling_params import SamplingParams
 
-__all__ = ["accept_greedy", "accept_sampled", "speculates", "verify_greedy"]
+__all__ = ["DraftSampler", "accept_greedy", "accept_sampled", "speculates", "verify_drafts"]
 
 
 def accept_greedy(target_argmax: Sequence[int] | torch.Tensor, drafts: Sequence[int]) -> list[int]:
@@ -99,38 +103,79 @@ def accept_sampled(
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request with these parameters gets drafts: greedy, with nothing that
-    processes its logits (penalties, ``logit_bias``, ``min_tokens``, a grammar) and no
-    logprobs. Its drafts are then verified by argmax alone (:func:`verify_greedy`), and
-    its tokens are those of decoding without speculation."""
+    """Whether a request with these parameters gets drafts: nothing processes its logits
+    beyond temperature, top-k, top-p and min-p (no penalties, ``logit_bias``,
+    ``min_tokens`` or grammar) and it asks for no logprobs. Greedy or sampled, its drafts
+    are verified by :func:`verify_drafts`, and its tokens are distributed as without
+    speculation (greedy and seeded: the very same tokens)."""
     return (
-        params.temperature < SAMPLING_EPS
-        and not params.adjusts_logits
+        not params.adjusts_logits
         and params.logprobs is None
         and params.structured_outputs is None
     )
 
 
-def verify_greedy(
-    sampled: SampledTokens, scheduler_output: SchedulerOutput, model_output: ModelOutput
+class DraftSampler(Protocol):
+    """Samples rows of logits as the request's sampler would: one token per row (``None``
+    for a row that failed), ``params[i]`` its request's parameters and
+    ``output_indices[i]`` the output index of the token it draws (a seeded request's
+    noise depends on it)."""
+
+    def __call__(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
+    ) -> Sequence[int | None]: ...
+
+
+def verify_drafts(
+    sampled: SampledTokens,
+    scheduler_output: SchedulerOutput,
+    model_output: ModelOutput,
+    sample_rows: DraftSampler,
 ) -> SampledTokens:
-    """``sampled`` with each drafted request's kept drafts and the target's next token
-    (:func:`accept_greedy` over its sampled token and the argmax of its draft rows,
-    ``ModelOutput.draft_logits``). A request that failed, or that does not
-    :func:`speculates`, keeps its one sampled token: its drafts are all rejected."""
+    """``sampled`` with each drafted request's kept drafts and the target's token after
+    them.
+
+    A draft proposed without a distribution (n-gram: one guess) is kept with the target's
+    probability of it, and at its first rejection the target draws from its distribution
+    without it (:func:`accept_sampled` with one-hot drafts). That is the same as drawing
+    the target's token at every position, as decoding without speculation would (argmax
+    for greedy rows), and keeping the drafts while they equal those draws: so each draft
+    row of a request that :func:`speculates` is sampled by ``sample_rows`` with the output
+    index its token would have (a seeded request draws the noise it would draw without
+    speculation), and :func:`accept_greedy` keeps the matching prefix. A request that
+    failed, or that does not speculate, keeps its one sampled token: its drafts are all
+    rejected.
+    """
     rows = model_output.draft_logits
     if rows is None or not model_output.draft_req_ids:
         return sampled
     by_id = {r.req_id: r for r in scheduler_output.requests}
-    choices = rows.argmax(dim=-1).tolist()
     token_ids = dict(sampled.token_ids)
+    picked: list[int] = []
+    params: list[SamplingParams] = []
+    indices: list[int] = []
+    owners: list[tuple[str, int, int]] = []  # (req_id, first row in picked, drafts)
     start = 0
     for req_id in model_output.draft_req_ids:
         request = by_id[req_id]
-        drafts = request.draft_token_ids
-        mine = choices[start : start + len(drafts)]
-        start += len(drafts)
+        count = len(request.draft_token_ids)
         first = token_ids.get(req_id)
         if first is not None and len(first) == 1 and speculates(request.sampling):
-            token_ids[req_id] = tuple(accept_greedy([first[0], *mine], drafts))
+            owners.append((req_id, len(picked), count))
+            picked.extend(range(start, start + count))
+            params.extend([request.sampling] * count)
+            indices.extend(range(request.num_output_tokens + 1,
+                                 request.num_output_tokens + 1 + count))  # fmt: skip
+        start += count
+    if not owners:
+        return sampled
+    if len(picked) < rows.shape[0]:
+        rows = rows.index_select(0, torch.tensor(picked, device=rows.device))
+    draws = list(sample_rows(rows, params, indices))
+    for req_id, at, count in owners:
+        mine = draws[at : at + count]
+        cut = next((j for j, t in enumerate(mine) if t is None), count)  # a row failed
+        drafts = by_id[req_id].draft_token_ids[:cut]
+        choices = [token_ids[req_id][0], *(t for t in mine[:cut] if t is not None)]
+        token_ids[req_id] = tuple(accept_greedy(choices, drafts))
     return attrs.evolve(sampled, token_ids=token_ids)

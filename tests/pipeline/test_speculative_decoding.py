@@ -4,6 +4,8 @@ by name."""
 
 from __future__ import annotations
 
+import collections
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,81 @@ class TestGreedyTokens:
         one = {**NGRAM, "num_speculative_tokens": 1}
         spec, proposed = _run(prompts, GREEDY, speculative_config=one, **config)
         assert proposed > 0 and spec == plain
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square critical value at ``df`` degrees of freedom for the one-sided
+    normal quantile ``z`` (3.09: p = 0.001), by the Wilson-Hilferty approximation
+    (within 2% of the exact value from df = 3 on)."""
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * math.sqrt(h)) ** 3
+
+
+def _chi2_two_samples(a: list[int], b: list[int]) -> tuple[float, int]:
+    """The chi-square statistic of the 2 x V contingency table of two samples' tokens
+    and its degrees of freedom; tokens drawn fewer than 10 times in all share a bin."""
+    seen = collections.Counter(a + b)
+    common = sorted(t for t, n in seen.items() if n >= 10)
+    rows = []
+    for x in (a, b):
+        counts = collections.Counter(x)
+        row = [counts[t] for t in common]
+        rows.append([*row, len(x) - sum(row)])
+    if rows[0][-1] + rows[1][-1] == 0:
+        rows = [r[:-1] for r in rows]
+    total = len(a) + len(b)
+    stat = 0.0
+    for row, size in zip(rows, (len(a), len(b)), strict=True):
+        for j, observed in enumerate(row):
+            expected = size * (rows[0][j] + rows[1][j]) / total
+            stat += (observed - expected) ** 2 / expected
+    return stat, len(rows[0]) - 1
+
+
+class TestSampling:
+    def test_seeded_requests_draw_the_tokens_they_draw_without_drafts(self) -> None:
+        """A draft row is sampled with the noise its output index has without
+        speculation, so seeded requests get the very same tokens, drafts or not; and
+        again the same in a second run (deterministic)."""
+        prompts = _prompts() * 2
+        params = [SamplingParams(max_tokens=32, temperature=t, top_p=0.95, seed=s,
+                                 ignore_eos=True)
+                  for s, t in enumerate([0.1, 0.2, 0.9, 0.15, 0.3, 0.05])]  # fmt: skip
+        plain, _ = _run(prompts, params)
+        spec, proposed = _run(prompts, params, speculative_config=NGRAM)
+        again, _ = _run(prompts, params, speculative_config=NGRAM)
+        assert proposed > 0 and spec == plain == again
+
+    def test_unseeded_tokens_are_distributed_as_without_drafts(self) -> None:
+        """Many unseeded requests of one prompt (top-k 4), each step drafting the greedy
+        continuation (so drafts are often kept, often not): at each output position,
+        the tokens' frequencies with speculation match those without (two-sample
+        chi-square, p = 0.001)."""
+        prompt = [17, 93, 41, 120, 8, 66, 201] * 4
+        n, length = 400, 6
+        params = SamplingParams(max_tokens=length, temperature=0.1, top_k=4, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+        config: dict[str, Any] = {"max_num_seqs": 128, "max_num_batched_tokens": 4096}
+        (guess,), _ = _run([prompt], greedy)
+        plain, _ = _run([prompt] * n, params, **config)
+
+        class GreedyGuess:
+            def propose(self, token_ids: Any, k: int | None = None) -> list[int]:
+                done = len(token_ids) - len(prompt)
+                return list(guess[done : done + min(k or 3, 3)])
+
+        with LLM(EngineConfig(model="builtin:tiny", speculative_config=NGRAM, **config)) as llm:
+            stage = next(
+                s for s in llm.engine.core.engine_graph.stages if isinstance(s, ProposeStage)
+            )
+            object.__setattr__(stage, "proposer", GreedyGuess())
+            spec = [tuple(o.token_ids) for o in llm.generate([prompt] * n, params)]
+            drafted, kept = llm.engine.core.scheduler.spec_decode_counts
+        assert 0.05 * drafted < kept < 0.95 * drafted, (kept, drafted)
+        for position in range(length):
+            stat, df = _chi2_two_samples([t[position] for t in plain],
+                                         [t[position] for t in spec])  # fmt: skip
+            assert df >= 1 and stat < _chi2_critical(df), (position, stat, df)
 
 
 class TestWithTheEnginesMachinery:

@@ -3,12 +3,15 @@ the target's distribution at every position (chi-square over many draws)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from pipeline.artifacts import ModelOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from pipeline.sampling_params import SamplingParams
-from stages.speculative import accept_greedy, accept_sampled, speculates, verify_greedy
+from stages.model.sampling import Sampler
+from stages.speculative import accept_greedy, accept_sampled, speculates, verify_drafts
 
 # Chi-square critical value, 3 degrees of freedom (a 4-token vocabulary), p = 0.001.
 CHI2_DF3_P001 = 16.27
@@ -110,34 +113,72 @@ def _scheduled(req_id: str, drafts: tuple[int, ...], params: SamplingParams) -> 
     )  # fmt: skip
 
 
-class TestVerifyGreedy:
+def _argmax(logits: torch.Tensor, params: Any, indices: Any) -> list[int | None]:
+    return logits.argmax(dim=-1).tolist()
+
+
+class TestVerifyDrafts:
     def test_only_requests_that_speculate_keep_drafts(self) -> None:
         """A greedy request keeps its drafts up to the first wrong one and the target's
-        token there; a sampling request, a penalised one and a failed one keep what
-        was sampled (their drafts are rejected)."""
+        token there; a penalised one and a failed one keep what was sampled (their
+        drafts are rejected)."""
         greedy = SamplingParams(temperature=0.0)
         requests = (
             _scheduled("g", (4, 5, 6), greedy),
-            _scheduled("s", (4, 5), SamplingParams(temperature=0.8)),
             _scheduled("p", (4,), SamplingParams(temperature=0.0, repetition_penalty=1.2)),
+            _scheduled("l", (4,), SamplingParams(temperature=0.0, logprobs=1)),
             _scheduled("f", (4,), greedy),
         )
         vocab = 8
-        argmax = [5, 9, 6, 4, 5, 4, 4]  # g: after 4 -> 5, after 5 -> 9 (≠ 6), ...
+        argmax = [5, 9, 6, 4, 4, 4]  # g: after 4 -> 5, after 5 -> 9 (≠ 6), ...
         rows = torch.nn.functional.one_hot(torch.tensor(argmax) % vocab, vocab).float()
         rows[1] = torch.nn.functional.one_hot(torch.tensor(1), vocab).float()  # 9 -> 1
         out = ModelOutput(
-            req_ids=("g", "s", "p"), logits=torch.zeros(3, vocab),
-            draft_req_ids=("g", "s", "p", "f"), draft_logits=rows,
+            req_ids=("g", "p", "l"), logits=torch.zeros(3, vocab),
+            draft_req_ids=("g", "p", "l", "f"), draft_logits=rows,
         )  # fmt: skip
-        sampled = SampledTokens(token_ids={"g": 4, "s": 3, "p": 4}, errors={"f": "bad row"})
+        sampled = SampledTokens(token_ids={"g": 4, "p": 4, "l": 4}, errors={"f": "bad row"})
         step = SchedulerOutput(step_id=1, requests=requests)
-        got = verify_greedy(sampled, step, out)
-        assert got.token_ids == {"g": (4, 5, 1), "s": (3,), "p": (4,)}
+        got = verify_drafts(sampled, step, out, _argmax)
+        assert got.token_ids == {"g": (4, 5, 1), "p": (4,), "l": (4,)}
         assert got.errors == {"f": "bad row"}
         assert [speculates(r.sampling) for r in requests] == [True, False, False, True]
 
     def test_no_drafts_changes_nothing(self) -> None:
         sampled = SampledTokens(token_ids={"a": 3})
         out = ModelOutput(req_ids=("a",), logits=torch.zeros(1, 4))
-        assert verify_greedy(sampled, SchedulerOutput(step_id=0, requests=()), out) is sampled
+        step = SchedulerOutput(step_id=0, requests=())
+        assert verify_drafts(sampled, step, out, _argmax) is sampled
+
+    def test_a_seeded_request_draws_the_tokens_it_draws_without_drafts(self) -> None:
+        """Each draft row is sampled with the output index its token has: a seeded
+        request's kept tokens are those plain sampling gives, position by position
+        (the drafts here are those very tokens, so every one is kept)."""
+        vocab, k = 16, 3
+        params = SamplingParams(temperature=1.0, seed=7)
+        logits = torch.randn(k + 1, vocab, generator=torch.Generator().manual_seed(0))
+        sampler = Sampler(seed=0, device=torch.device("cpu"))
+        plain = [sampler.sample(logits[i : i + 1], [params], [1 + i])[0] for i in range(k + 1)]
+        request = _scheduled("s", tuple(plain[:k]), params)
+        out = ModelOutput(req_ids=("s",), logits=logits[:1], draft_req_ids=("s",),
+                          draft_logits=logits[1:])  # fmt: skip
+
+        def rows(x: torch.Tensor, p: Any, indices: Any) -> list[int | None]:
+            return list(sampler.sample_rows(x, p, indices, adjust=False).tokens)
+
+        sampled = SampledTokens(token_ids={"s": plain[0]})
+        got = verify_drafts(sampled, SchedulerOutput(step_id=1, requests=(request,)), out, rows)
+        assert got.token_ids == {"s": tuple(plain)}
+
+    def test_a_failed_draft_row_ends_the_kept_drafts(self) -> None:
+        request = _scheduled("g", (2, 3, 1), SamplingParams(temperature=0.0))
+        rows = torch.nn.functional.one_hot(torch.tensor([3, 1, 0]), 4).float()
+        out = ModelOutput(req_ids=("g",), logits=torch.zeros(1, 4), draft_req_ids=("g",),
+                          draft_logits=rows)  # fmt: skip
+
+        def failing(x: torch.Tensor, p: Any, indices: Any) -> list[int | None]:
+            return [3, None, 0]
+
+        sampled = SampledTokens(token_ids={"g": 2})
+        got = verify_drafts(sampled, SchedulerOutput(step_id=1, requests=(request,)), out, failing)
+        assert got.token_ids == {"g": (2, 3)}  # drafts 2 kept; after 3 the row failed
