@@ -288,10 +288,11 @@ class EngineConfig:
             requests with nothing but temperature, top-k/p and min-p processing their
             logits (greedy or sampled) get up to k drafts from an n-gram of their own
             text; one forward pass verifies them, and the tokens are distributed as
-            without it (greedy and seeded: the same tokens). ``None`` (the default): off. A connector saves
-            and announces only blocks of kept tokens; worker processes verify the
-            drafts as one forward pass does in-process. Not yet with async scheduling or
-            logits processors (refused by name).
+            without it (greedy and seeded: the same tokens); k adapts per request
+            (:class:`~stages.speculative.budget.DraftBudget`). ``None`` (the default):
+            off. A connector saves and announces only blocks of kept tokens; worker
+            processes verify the drafts as one forward pass does in-process. Not yet
+            with async scheduling or logits processors (refused by name).
         structured_outputs_backend: The grammar backend of structured outputs (vLLM's
             ``structured_outputs_config.backend``): ``"llguidance"`` (the default,
             ``kvstep[structured]``) or ``"xgrammar"`` (``pip install xgrammar``; JSON

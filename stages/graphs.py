@@ -27,7 +27,8 @@ from stages.propose import ProposeStage
 from stages.sample import SampleStage
 from stages.save import SaveStage
 from stages.schedule import ScheduleStage, StepLink
-from stages.speculative import NgramProposer
+from stages.speculative import Proposer
+from stages.speculative.budget import DraftBudget
 from stages.structured import GrammarRows, StructuredOutputStage
 from stages.update import UpdateStage
 
@@ -78,6 +79,10 @@ def default_worker_graph(
     )
 
 
+def _propose(scheduler: Scheduler, proposer: Proposer) -> ProposeStage:
+    return ProposeStage(scheduler, proposer, DraftBudget(proposer.k))
+
+
 def default_engine_graph(
     scheduler: Scheduler,
     executor: Executor,
@@ -85,7 +90,7 @@ def default_engine_graph(
     aggregator: FanInAggregator,
     fan_in_timeout_s: float = 300.0,
     ahead: bool = False,
-    proposer: NgramProposer | None = None,
+    proposer: Proposer | None = None,
 ) -> StepGraph:
     """The engine graph: schedule, run the ranks, merge, update; a failed step fails
     its requests in the ``fail_step`` finalizer.
@@ -96,7 +101,8 @@ def default_engine_graph(
     (async scheduling): every step's :class:`~stages.schedule.StepLink` is an
     input of the graph, which ``schedule`` takes to plan ahead of the step before.
     ``proposer`` (speculative decoding): a ``propose`` stage after ``update`` gives the
-    running requests their drafts for the next step (:class:`~stages.propose.ProposeStage`).
+    running requests their drafts for the next step (:class:`~stages.propose.ProposeStage`),
+    within a per-request :class:`~stages.speculative.budget.DraftBudget`.
     """
     return StepGraph(
         [
@@ -104,7 +110,7 @@ def default_engine_graph(
             ExecuteStage(executor, timeout_s=fan_in_timeout_s),
             FanInStage(aggregator),
             UpdateStage(scheduler),
-            *([ProposeStage(scheduler, proposer)] if proposer is not None else []),
+            *([] if proposer is None else [_propose(scheduler, proposer)]),
             FailStepStage(scheduler, aggregator, executor),
         ],
         inputs=(StepLink,) if ahead else (),

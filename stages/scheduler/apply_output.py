@@ -118,6 +118,7 @@ def apply_output(
     discarded = _handle_load_errors(state, scheduler_output, output, policy, outputs)
     now: float | None = None
     step_spec = SpecDecodeStats()
+    state.step_draft_outcomes = outcomes = {}
     for item in scheduler_output.requests:
         req_id = item.req_id
         request = state.requests.get(req_id)
@@ -157,9 +158,9 @@ def apply_output(
         request.last_token_time = now
         if item.draft_token_ids:
             drafted = len(item.draft_token_ids)
-            step_spec = step_spec.with_draft(
-                drafted, drafted - _take_back_rejected(request, item, tokens)
-            )
+            accepted = drafted - _take_back_rejected(request, item, tokens)
+            step_spec = step_spec.with_draft(drafted, accepted)
+            outcomes[req_id] = (drafted, accepted)
         new_tokens, status = append_tokens(request, tokens, policy.max_model_len)
         if request.logprobs is not None and len(request.logprobs) > request.num_output_tokens:
             del request.logprobs[request.num_output_tokens :]  # those of dropped tokens

@@ -277,6 +277,12 @@ class Scheduler:
         last."""
         return self._state.step_spec_decode
 
+    @property
+    def step_draft_outcomes(self) -> Mapping[str, tuple[int, int]]:
+        """Of the step :meth:`update_from_output` applied last: each drafted request's
+        ``(drafts verified, drafts kept)``."""
+        return self._state.step_draft_outcomes
+
     def propose_drafts(self, drafts: Callable[[Request], list[int]]) -> int:
         """Give each running request whose next step is a decode the drafts
         ``drafts(request)`` returns (speculative decoding; the next :meth:`schedule` puts

@@ -108,6 +108,8 @@ class SchedulerState:
         spec_decode: Speculative drafts the steps applied so far verified, and the ones
             kept (equal to the token sampled at their position).
         step_spec_decode: The same, of the step applied last alone.
+        step_draft_outcomes: Of the step applied last, each drafted request's drafts
+            verified and kept.
     """
 
     kv: KVCacheManager
@@ -127,6 +129,7 @@ class SchedulerState:
     num_preemptions: int = 0
     spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
     step_spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
+    step_draft_outcomes: dict[str, tuple[int, int]] = attrs.field(factory=dict)
 
     def finish_all(
         self, req_ids: Iterable[str], status: RequestStatus, error: str | None

@@ -18,6 +18,11 @@ class Proposer(Protocol):
     take: the target model verifies every draft.
     """
 
+    @property
+    def k(self) -> int:
+        """The most drafts it proposes per request and step (``num_speculative_tokens``)."""
+        ...
+
     def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
         """Up to ``k`` drafts to follow ``token_ids`` (a request's prompt and output so
         far); empty when it has no guess."""

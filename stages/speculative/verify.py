@@ -109,9 +109,7 @@ def speculates(params: SamplingParams) -> bool:
     are verified by :func:`verify_drafts`, and its tokens are distributed as without
     speculation (greedy and seeded: the very same tokens)."""
     return (
-        not params.adjusts_logits
-        and params.logprobs is None
-        and params.structured_outputs is None
+        not params.adjusts_logits and params.logprobs is None and params.structured_outputs is None
     )
 
 

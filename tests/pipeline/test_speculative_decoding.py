@@ -158,6 +158,33 @@ class TestSampling:
             assert df >= 1 and stat < _chi2_critical(df), (position, stat, df)
 
 
+class TestBudget:
+    def test_drafts_that_never_hold_turn_speculation_down(self) -> None:
+        """A proposer whose every guess is wrong: after two misses the request pauses
+        for longer and longer, so 64 tokens cost a few drafts, not 3 per step; the
+        tokens stay those without speculation."""
+        prompt = _prompts()[0]
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        (plain,), _ = _run([prompt], params)
+
+        class Wrong:
+            k = 3
+
+            def propose(self, token_ids: Any, k: int | None = None) -> list[int]:
+                done = len(token_ids) - len(prompt)
+                return [(t + 1) % 256 for t in plain[done : done + min(k or 3, 3)]]
+
+        with LLM(EngineConfig(model="builtin:tiny", speculative_config=NGRAM)) as llm:
+            stage = next(
+                s for s in llm.engine.core.engine_graph.stages if isinstance(s, ProposeStage)
+            )
+            object.__setattr__(stage, "proposer", Wrong())
+            (out,) = llm.generate([prompt], params)
+            drafted, kept = llm.engine.core.scheduler.spec_decode_counts
+        assert tuple(out.token_ids) == plain
+        assert kept == 0 and 0 < drafted <= 12, drafted  # 3, 1, then 1 per pause of 2, 4, 8, 16
+
+
 class TestWithTheEnginesMachinery:
     def test_two_worker_processes(self) -> None:
         """Tensor parallel over two processes: the drafts go out with the step's
