@@ -224,10 +224,11 @@ def _check_structured(result: dict) -> None:
 
 
 def _check_spec_decode(result: dict) -> None:
-    """Both workloads at each batch size, identical greedy tokens, drafts counted."""
+    """Every workload at each batch size, identical greedy (and seeded) tokens, drafts
+    counted."""
     rows = result["results"]
     assert {(r["workload"], r["batch"]) for r in rows} == {
-        (w, b) for w in ("copy-edit", "random") for b in (1, 2)
+        (w, b) for w in ("copy-edit", "random", "sampled") for b in (1, 2)
     }
     for row in rows:
         assert row["identical"] is True and row["ratio"] > 0
