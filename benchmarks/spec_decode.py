@@ -16,10 +16,11 @@ Three workloads, ``ignore_eos``, on one model (default: the throughput benchmark
 
 For each batch size (``--batches``), decode tokens/s without speculation and with
 ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-"prompt_lookup_min": 2}`` (best of ``--rounds`` after one untimed run, each engine in
-this process in turn), their ratio, the drafts computed and kept (acceptance rate), and
-whether the tokens were identical. Goal: >= 1.8x at batch 1 on copy-edit; no more than
-10% slower where drafts do not hold (sampled). JSON: ``benchmarks/results/spec_decode.json``.
+"prompt_lookup_min": 2}`` (best of ``--rounds`` after one untimed run; both engines in
+this process side by side, timed runs alternating), their ratio, the drafts computed and
+kept (acceptance rate), and whether the tokens were identical. Goal: >= 1.8x at batch 1
+on copy-edit; no more than 10% slower where drafts do not hold (sampled). JSON:
+``benchmarks/results/spec_decode.json``.
 """
 
 from __future__ import annotations
@@ -57,25 +58,36 @@ def _prompts(kind: str, batch: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _measure(model: str, prompts: list[list[int]], params: Any, rounds: int,
-             spec: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+             spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """Both engines loaded side by side, one untimed run each, then ``rounds`` timed
+    runs alternating between them (the machine's drift hits both alike): best of each."""
     max_tokens = (params[0] if isinstance(params, list) else params).max_tokens
-    config = EngineConfig(model=model, speculative_config=spec, max_num_seqs=len(prompts),
-                          max_model_len=PROMPT_LEN + max_tokens + 16)  # fmt: skip
-    with LLM(config) as llm:
-        scheduler = llm.engine.core.scheduler
-        llm.generate(prompts, params)
-        before = scheduler.spec_decode_counts
-        best = float("inf")
+    configs = [EngineConfig(model=model, speculative_config=s, max_num_seqs=len(prompts),
+                            max_model_len=PROMPT_LEN + max_tokens + 16)
+               for s in (None, spec)]  # fmt: skip
+    with LLM(configs[0]) as plain, LLM(configs[1]) as fast:
+        engines = (plain, fast)
+        for llm in engines:
+            llm.generate(prompts, params)
+        before = [llm.engine.core.scheduler.spec_decode_counts for llm in engines]
+        best = [float("inf"), float("inf")]
+        outputs: list[Any] = [None, None]
         for _ in range(rounds):
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params)
-            best = min(best, time.perf_counter() - start)
-        after = scheduler.spec_decode_counts
-    drafts, kept = after[0] - before[0], after[1] - before[1]
-    tokens = sum(len(o.token_ids) for o in outputs)
-    assert tokens == max_tokens * len(prompts)
-    return {"seconds": best, "tokens_per_s": tokens / best, "drafts": drafts, "kept": kept,
-            "token_ids": [list(o.token_ids) for o in outputs]}  # fmt: skip
+            for i, llm in enumerate(engines):
+                start = time.perf_counter()
+                outputs[i] = llm.generate(prompts, params)
+                best[i] = min(best[i], time.perf_counter() - start)
+        after = [llm.engine.core.scheduler.spec_decode_counts for llm in engines]
+    results = []
+    for i in range(2):
+        tokens = sum(len(o.token_ids) for o in outputs[i])
+        assert tokens == max_tokens * len(prompts)
+        results.append({
+            "seconds": best[i], "tokens_per_s": tokens / best[i],
+            "drafts": after[i][0] - before[i][0], "kept": after[i][1] - before[i][1],
+            "token_ids": [list(o.token_ids) for o in outputs[i]],
+        })  # fmt: skip
+    return results[0], results[1]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -106,8 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     params = [SamplingParams(max_tokens=args.new_tokens, temperature=1.0,
                                              seed=i, ignore_eos=True)
                               for i in range(batch)]  # fmt: skip
-                plain = _measure(model, prompts, params, args.rounds, None)
-                fast = _measure(model, prompts, params, args.rounds, spec)
+                plain, fast = _measure(model, prompts, params, args.rounds, spec)
                 rate = round(fast["kept"] / fast["drafts"], 3) if fast["drafts"] else None
                 rows.append({
                     "workload": kind, "batch": batch,

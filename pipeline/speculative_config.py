@@ -4,10 +4,12 @@ Accepted as vLLM's dict (or JSON on the command line, ``--speculative-config``):
 
     {"method": "ngram", "num_speculative_tokens": 3,
      "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "draft_model", "model": "/path/to/small-model", "num_speculative_tokens": 3}
 
-``method`` is ``"ngram"`` (prompt lookup; :class:`stages.speculative.NgramProposer`).
-``"draft_model"`` (a small model proposing) is not built yet and is refused by name, as is
-any other method or key.
+``method`` is ``"ngram"`` (prompt lookup; :class:`stages.speculative.NgramProposer`) or
+``"draft_model"`` (a small model with the target's vocabulary proposes greedily;
+:class:`stages.speculative.draft_model.DraftModelProposer`). Another method, a key the
+method does not take, or a key no method takes is refused by name.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from pipeline.errors import InvalidConfigError
 __all__ = ["MAX_SPECULATIVE_TOKENS", "METHODS", "SpeculativeConfig"]
 
 #: The methods built; a config naming another is refused.
-METHODS: Final = ("ngram",)
+METHODS: Final = ("ngram", "draft_model")
 #: Most drafts per request and step.
 MAX_SPECULATIVE_TOKENS: Final = 16
-_KEYS: Final = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS: Final = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
+    "draft_model": ("method", "num_speculative_tokens", "model"),
+}
 _FIELD: Final = "speculative_config"
 
 
@@ -40,16 +45,19 @@ class SpeculativeConfig:
     """Checked speculative decoding settings.
 
     Attributes:
-        method: ``"ngram"``.
+        method: ``"ngram"`` or ``"draft_model"``.
         num_speculative_tokens: Drafts per request and step, in ``[1, 16]``.
-        prompt_lookup_min: Shortest n-gram looked up (default 2).
-        prompt_lookup_max: Longest n-gram looked up, tried first (default 4).
+        prompt_lookup_min: ngram: shortest n-gram looked up (default 2).
+        prompt_lookup_max: ngram: longest n-gram looked up, tried first (default 4).
+        model: draft_model: the draft's local model directory (or ``"builtin:tiny"``);
+            its vocabulary must be the target's (checked when it loads).
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: Mapping[str, Any]) -> SpeculativeConfig:
@@ -62,19 +70,27 @@ class SpeculativeConfig:
         if not isinstance(value, Mapping):
             raise InvalidConfigError(_FIELD, value, 'must be a dict such as {"method": "ngram", '
                                      '"num_speculative_tokens": 3}')  # fmt: skip
-        unknown = sorted(set(value) - set(_KEYS))
-        if unknown:
-            raise InvalidConfigError(_FIELD, unknown, f"unknown keys; allowed: {', '.join(_KEYS)}")
         method = value.get("method")
         if method not in METHODS:
             raise InvalidConfigError(
-                f"{_FIELD}.method", method, f"must be one of {', '.join(METHODS)} "
-                "(draft_model is not built yet)"
-            )  # fmt: skip
+                f"{_FIELD}.method", method, f"must be one of {', '.join(METHODS)}"
+            )
+        keys = _KEYS[method]
+        unknown = sorted(set(value) - set(keys))
+        if unknown:
+            raise InvalidConfigError(
+                _FIELD, unknown, f"unknown keys for method {method}; allowed: {', '.join(keys)}"
+            )
         if "num_speculative_tokens" not in value:
             raise InvalidConfigError(_FIELD, dict(value), "needs num_speculative_tokens")
         k = _int("num_speculative_tokens", value["num_speculative_tokens"], 1,
                  MAX_SPECULATIVE_TOKENS)  # fmt: skip
+        if method == "draft_model":
+            model = value.get("model")
+            if not isinstance(model, str) or not model:
+                raise InvalidConfigError(f"{_FIELD}.model", model,
+                                         "must be the draft's local model directory")  # fmt: skip
+            return cls(method=method, num_speculative_tokens=k, model=model)
         high = _int("prompt_lookup_max", value.get("prompt_lookup_max", 4), 1, 64)
         low = _int("prompt_lookup_min", value.get("prompt_lookup_min", min(2, high)), 1, high)
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=low,
