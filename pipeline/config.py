@@ -283,12 +283,14 @@ class EngineConfig:
             the top level of an importable module.
         speculative_config: Speculative decoding, as vLLM's dict (``--speculative-config
             JSON``): ``{"method": "ngram", "num_speculative_tokens": k,
-            "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
+            "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or ``{"method":
+            "draft_model", "model": DIR, "num_speculative_tokens": k}``
             (:class:`~pipeline.speculative_config.SpeculativeConfig`). Each step,
             requests with nothing but temperature, top-k/p and min-p processing their
-            logits (greedy or sampled) get up to k drafts from an n-gram of their own
-            text; one forward pass verifies them, and the tokens are distributed as
-            without it (greedy and seeded: the same tokens); k adapts per request
+            logits (greedy or sampled) get up to k drafts (an n-gram of their own text,
+            or the draft model's greedy guesses); one forward pass verifies them, and
+            the tokens are distributed as without it (greedy and seeded: the same
+            tokens); k adapts per request
             (:class:`~stages.speculative.budget.DraftBudget`). ``None`` (the default):
             off. A connector saves and announces only blocks of kept tokens; worker
             processes verify the drafts as one forward pass does in-process. Not yet

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+import anyio
 import attrs
 
 from pipeline.artifacts import EngineStepOutput
 from pipeline.kernel.context import StepContext
 from stages.speculative import Proposer, speculates
 from stages.speculative.budget import DraftBudget
+from stages.speculative.proposer import BatchProposer
 
 if TYPE_CHECKING:
     from pipeline.request import Request
@@ -42,12 +44,13 @@ class ProposeStage:
     provides: ClassVar[None] = None
 
     scheduler: Scheduler
-    proposer: Proposer
+    proposer: Proposer | BatchProposer
     budget: DraftBudget
 
-    def _drafts(self, request: Request, seen: list[str]) -> list[int]:
+    def _limit(self, request: Request, seen: list[str]) -> int:
+        """How many drafts ``request`` may get now (0: none)."""
         if not speculates(request.sampling_params):
-            return []
+            return 0
         seen.append(request.request_id)
         room = (
             min(
@@ -56,13 +59,30 @@ class ProposeStage:
             )
             - 1
         )  # the token after the drafts must fit too
-        limit = min(room, self.budget.limit(request.request_id))
-        if limit <= 0:
-            return []
-        return self.proposer.propose(request.all_token_ids, limit)
+        return max(0, min(room, self.budget.limit(request.request_id)))
 
     async def run(self, ctx: StepContext) -> None:
         self.budget.observe(self.scheduler.step_draft_outcomes)
         seen: list[str] = []
-        self.scheduler.propose_drafts(lambda request: self._drafts(request, seen))
+        proposer = self.proposer
+        if isinstance(proposer, BatchProposer):
+            wanted: dict[str, tuple[list[int], int]] = {}
+
+            def collect(request: Request) -> list[int]:
+                limit = self._limit(request, seen)
+                if limit:
+                    wanted[request.request_id] = (list(request.all_token_ids), limit)
+                return []
+
+            self.scheduler.propose_drafts(collect)
+            drafts = await anyio.to_thread.run_sync(proposer.propose_batch, wanted)
+            proposer.retain(seen)
+            self.scheduler.propose_drafts(lambda request: drafts.get(request.request_id, []))
+        else:
+
+            def propose(request: Request) -> list[int]:
+                limit = self._limit(request, seen)
+                return proposer.propose(request.all_token_ids, limit) if limit else []
+
+            self.scheduler.propose_drafts(propose)
         self.budget.retain(seen)  # a request that is not decoding starts afresh

@@ -42,6 +42,7 @@ from stages.model.builtin import tokenizer_dir
 from stages.schedule import StepLink
 from stages.scheduler.scheduler import Scheduler
 from stages.speculative import NgramProposer
+from stages.speculative.draft_model import DraftModelProposer
 from stages.structured import tokenizer_info
 
 __all__ = ["EngineCore", "GraphArg"]
@@ -97,6 +98,7 @@ class EngineCore:
             self.scheduler = Scheduler.from_config(
                 config, num_blocks=num_blocks, connector=self.connector
             )
+            self.proposer = _proposer(config, self.model_config.vocab_size, num_blocks)
         except BaseException:
             self._abandon()
             raise
@@ -121,7 +123,7 @@ class EngineCore:
                 aggregator=self.aggregator,
                 fan_in_timeout_s=config.fan_in_timeout_s,
                 ahead=config.async_scheduling,
-                proposer=_proposer(config),
+                proposer=self.proposer,
             ),
         )
         self.async_scheduling = config.async_scheduling
@@ -149,6 +151,9 @@ class EngineCore:
             close = getattr(worker.runner, "close", None)
             if close is not None:
                 close()
+        proposer = getattr(self, "proposer", None)
+        if isinstance(proposer, DraftModelProposer):
+            proposer.close()
         self.step_log.close()
 
     # ----------------------------------------------------------------- requests
@@ -396,16 +401,37 @@ class EngineCore:
         try:
             await self.executor.shutdown()
         finally:
+            if isinstance(self.proposer, DraftModelProposer):
+                self.proposer.close()
             if self.kv_events is not None:
                 self.kv_events.close()
             self.step_log.close()
 
 
-def _proposer(config: EngineConfig) -> NgramProposer | None:
-    """The drafts' proposer of ``config.speculative_config`` (``None``: off)."""
+def _proposer(
+    config: EngineConfig, vocab_size: int, num_blocks: int
+) -> NgramProposer | DraftModelProposer | None:
+    """The drafts' proposer of ``config.speculative_config`` (``None``: off); a draft
+    model is loaded with the target's settings and as many KV blocks (``num_blocks``),
+    and must have its vocabulary (``vocab_size``)."""
     spec = config.speculative
     if spec is None:
         return None
+    if spec.method == "draft_model":
+        assert spec.model is not None
+        return DraftModelProposer.load(
+            spec.model,
+            spec.num_speculative_tokens,
+            vocab_size=vocab_size,
+            num_blocks=num_blocks,
+            dtype=config.dtype,
+            device=config.device,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            seed=config.seed,
+            keep_freed_memory=config.keep_freed_memory,
+        )
     return NgramProposer(
         k=spec.num_speculative_tokens, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max
     )

@@ -79,10 +79,3 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return [int(t) for t in tokens[start : start + limit]]
         return []
-
-    def propose_batch(
-        self, histories: Sequence[Sequence[int] | np.ndarray], k: Sequence[int] | None = None
-    ) -> list[list[int]]:
-        """:meth:`propose` for each request, with its own limit when ``k`` is given."""
-        limits = [self.k] * len(histories) if k is None else k
-        return [self.propose(h, lim) for h, lim in zip(histories, limits, strict=True)]

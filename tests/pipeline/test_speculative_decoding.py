@@ -255,7 +255,7 @@ class TestConfig:
     @pytest.mark.parametrize(
         ("value", "match"),
         [
-            ({"method": "draft_model", "num_speculative_tokens": 2}, "draft_model"),
+            ({"method": "eagle", "num_speculative_tokens": 2}, "ngram, draft_model"),
             ({"method": "ngram"}, "num_speculative_tokens"),
             ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
             ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys"),

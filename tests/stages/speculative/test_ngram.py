@@ -52,7 +52,6 @@ class TestPropose:
         assert proposer.propose(tokens, 1) == [4]
         assert proposer.propose(tokens, 9) == [4, 5]
         assert proposer.propose(tokens, 0) == []
-        assert proposer.propose_batch([tokens, [1, 2]], [1, 2]) == [[4], []]
 
     def test_numpy_input(self) -> None:
         proposer = NgramProposer(k=2, min_n=2, max_n=3)
