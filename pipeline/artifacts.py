@@ -34,6 +34,7 @@ __all__ = [
     "ScheduledRequest",
     "SchedulerOutput",
     "SpecDecodeStats",
+    "DraftsProposed",
     "TokenIds",
     "WorkerOutput",
 ]
@@ -554,6 +555,23 @@ class SpecDecodeStats:
         """Tokens a drafted request got per step: one plus its kept drafts, on average
         (vLLM's mean acceptance length; ``None`` without drafts)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@attrs.frozen(kw_only=True)
+class DraftsProposed:
+    """What speculative decoding's ``propose`` stage did in a step.
+
+    Attributes:
+        num_requests: Requests given drafts for the next step.
+        num_draft_tokens: Drafts given.
+        without_drafts: Requests seen decoding for the first time that get no drafts,
+            by reason (:func:`~stages.speculative.no_drafts_reason`); each request is
+            counted once.
+    """
+
+    num_requests: int = 0
+    num_draft_tokens: int = 0
+    without_drafts: Mapping[str, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, ClassVar
 import anyio
 import attrs
 
-from pipeline.artifacts import EngineStepOutput
+from pipeline.artifacts import DraftsProposed, EngineStepOutput
 from pipeline.kernel.context import StepContext
-from stages.speculative import Proposer, speculates
+from pipeline.logger import get_logger
+from stages.speculative import Proposer, no_drafts_reason
 from stages.speculative.budget import DraftBudget
 from stages.speculative.proposer import BatchProposer
 
@@ -34,22 +35,32 @@ if TYPE_CHECKING:
 
 __all__ = ["ProposeStage"]
 
+log = get_logger()
+
 
 @attrs.frozen
 class ProposeStage:
-    """Sets each speculating request's drafts for its next step."""
+    """Sets each speculating request's drafts for its next step; says which decoding
+    requests get none, and why (:class:`~pipeline.artifacts.DraftsProposed`; a warning
+    the first time each reason occurs)."""
 
     name: ClassVar[str] = "propose"
     requires: ClassVar[tuple[type, ...]] = (EngineStepOutput,)
-    provides: ClassVar[None] = None
+    provides: ClassVar[type] = DraftsProposed
 
     scheduler: Scheduler
     proposer: Proposer | BatchProposer
     budget: DraftBudget
+    _counted: set[str] = attrs.field(factory=set, init=False)  # requests without drafts
+    _warned: set[str] = attrs.field(factory=set, init=False)  # reasons
 
-    def _limit(self, request: Request, seen: list[str]) -> int:
+    def _limit(self, request: Request, seen: list[str], without: dict[str, int]) -> int:
         """How many drafts ``request`` may get now (0: none)."""
-        if not speculates(request.sampling_params):
+        reason = no_drafts_reason(request.sampling_params)
+        if reason is not None:
+            if request.request_id not in self._counted:
+                self._counted.add(request.request_id)
+                without[reason] = without.get(reason, 0) + 1
             return 0
         seen.append(request.request_id)
         room = (
@@ -61,15 +72,16 @@ class ProposeStage:
         )  # the token after the drafts must fit too
         return max(0, min(room, self.budget.limit(request.request_id)))
 
-    async def run(self, ctx: StepContext) -> None:
+    async def run(self, ctx: StepContext) -> DraftsProposed:
         self.budget.observe(self.scheduler.step_draft_outcomes)
         seen: list[str] = []
+        without: dict[str, int] = {}
         proposer = self.proposer
         if isinstance(proposer, BatchProposer):
             wanted: dict[str, tuple[list[int], int]] = {}
 
             def collect(request: Request) -> list[int]:
-                limit = self._limit(request, seen)
+                limit = self._limit(request, seen, without)
                 if limit:
                     wanted[request.request_id] = (list(request.all_token_ids), limit)
                 return []
@@ -77,12 +89,27 @@ class ProposeStage:
             self.scheduler.propose_drafts(collect)
             drafts = await anyio.to_thread.run_sync(proposer.propose_batch, wanted)
             proposer.retain(seen)
-            self.scheduler.propose_drafts(lambda request: drafts.get(request.request_id, []))
+            given = self.scheduler.propose_drafts(lambda r: drafts.get(r.request_id, []))
+            drafted = sum(1 for d in drafts.values() if d)
         else:
+            counts = [0]
 
             def propose(request: Request) -> list[int]:
-                limit = self._limit(request, seen)
-                return proposer.propose(request.all_token_ids, limit) if limit else []
+                limit = self._limit(request, seen, without)
+                out = proposer.propose(request.all_token_ids, limit) if limit else []
+                counts[0] += bool(out)
+                return out
 
-            self.scheduler.propose_drafts(propose)
+            given = self.scheduler.propose_drafts(propose)
+            drafted = counts[0]
         self.budget.retain(seen)  # a request that is not decoding starts afresh
+        self._counted.intersection_update(self.scheduler.unfinished_request_ids())
+        for reason in without.keys() - self._warned:
+            self._warned.add(reason)
+            log.warning("speculative decoding: requests get no drafts", reason=reason,
+                        counted_in="kvstep_spec_decode_requests_without_drafts_total")  # fmt: skip
+        return DraftsProposed(
+            num_requests=drafted,
+            num_draft_tokens=given,
+            without_drafts=without,
+        )

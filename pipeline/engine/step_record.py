@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
+from pipeline.artifacts import DraftsProposed, EngineStepOutput, FanInOutput, SchedulerOutput
 from pipeline.kernel.context import StepContext
 from pipeline.request import RequestOutput
 from pipeline.steplog import StepLog
@@ -47,7 +47,16 @@ def record_engine_step(step_log: StepLog, ctx: StepContext) -> None:
         **ahead,
         **_load_failures(merged),
         **_spec_decode(out),
+        **_without_drafts(ctx.maybe(DraftsProposed)),
     )
+
+
+def _without_drafts(proposed: DraftsProposed | None) -> dict[str, Any]:
+    """``{"spec_without_drafts": {reason: requests}}`` when requests started decoding
+    without drafts in this step, else nothing (``/metrics`` adds them up)."""
+    if proposed is None or not proposed.without_drafts:
+        return {}
+    return {"spec_without_drafts": dict(sorted(proposed.without_drafts.items()))}
 
 
 def _spec_decode(out: EngineStepOutput | None) -> dict[str, Any]:

@@ -259,6 +259,13 @@ class ServerMetrics:
             ["position"],
             registry=reg,
         )
+        self.spec_without_drafts = Counter(
+            "kvstep_spec_decode_requests_without_drafts",
+            "Requests that decoded without speculative drafts, by reason (logits_adjusted, "
+            "structured_outputs, logprobs)",
+            ["reason"],
+            registry=reg,
+        )
         self.loop_lag_max = Gauge(
             "kvstep_event_loop_lag_max_seconds", "Largest event-loop lag seen", registry=reg
         )
@@ -289,6 +296,8 @@ class ServerMetrics:
             self.spec_accepted_tokens.inc(int(fields.get("spec_accepted_tokens") or 0))
             for position, kept in enumerate(fields.get("spec_accepted_per_position") or ()):
                 self.spec_accepted_per_pos.labels(str(position)).inc(int(kept))
+        for reason, requests in (fields.get("spec_without_drafts") or {}).items():
+            self.spec_without_drafts.labels(str(reason)).inc(int(requests))
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Account a request's last output as the route receives it: its finish reason

@@ -15,7 +15,7 @@ loop); none of it awaits, so there is no cancellation point inside a call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, KeysView, Mapping
 from types import MappingProxyType
 
 from connectors.base import KVConnectorScheduler
@@ -323,6 +323,10 @@ class Scheduler:
         if any(r.status != parked and not grammar_pending(r) for r in state.waiting):
             return True
         return any(not ahead_done(r, self._limits) for r in state.running)
+
+    def unfinished_request_ids(self) -> KeysView[str]:
+        """The ids of the requests admitted and not finished (a live view)."""
+        return self._state.requests.keys()
 
     def num_unfinished_requests(self) -> int:
         """Running plus waiting requests (parked async loads included); what admission

@@ -16,6 +16,7 @@ from stages.speculative.verify import (
     DraftSampler,
     accept_greedy,
     accept_sampled,
+    no_drafts_reason,
     speculates,
     verify_drafts,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "Proposer",
     "accept_greedy",
     "accept_sampled",
+    "no_drafts_reason",
     "speculates",
     "verify_drafts",
 ]

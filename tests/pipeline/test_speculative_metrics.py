@@ -91,6 +91,33 @@ class TestStepLog:
         assert summary.spec_decode == SpecDecodeStats() and summary.spec_decode_rows() == []
 
 
+class TestRequestsWithoutDrafts:
+    def test_counted_once_by_reason_and_warned_once(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Requests whose logits are adjusted, or that ask for logprobs, decode without
+        drafts: each is counted once under its reason in the step log, and one warning
+        per reason says so."""
+        path = tmp_path / "steps.jsonl"
+        params = [
+            GREEDY,
+            SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                           repetition_penalty=1.2),
+            SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1),
+            SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, min_tokens=3),
+        ]  # fmt: skip
+        config = EngineConfig(model="builtin:tiny", speculative_config=NGRAM, step_log=path)
+        with caplog.at_level("WARNING", logger="kvstep"), LLM(config) as llm:
+            llm.generate([*PROMPTS, PROMPTS[0]], params)
+        totals: dict[str, int] = {}
+        for record in load_step_log(path):
+            for reason, n in (record.get("spec_without_drafts") or {}).items():
+                totals[reason] = totals.get(reason, 0) + n
+        assert totals == {"logits_adjusted": 2, "logprobs": 1}
+        warnings = [r for r in caplog.records if "get no drafts" in r.getMessage()]
+        assert len(warnings) == 2, [r.getMessage() for r in warnings]
+
+
 def _value(text: str, sample: str) -> float:
     match = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
     assert match is not None, sample
@@ -113,6 +140,8 @@ class TestPrometheus:
                         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.0,
                                 "ignore_eos": True}  # fmt: skip
                         assert (await c.post("/v1/completions", json=body)).status_code == 200
+                    body = {**body, "logprobs": 1}  # one request decodes without drafts
+                    assert (await c.post("/v1/completions", json=body)).status_code == 200
                     text = (await c.get("/metrics")).text
             counted = engine.core.scheduler.spec_decode_stats
         _check_totals(counted)
@@ -123,3 +152,5 @@ class TestPrometheus:
         for position, kept in enumerate(counted.accepted_per_position):
             sample = f'{prefix}_accepted_tokens_per_pos_total{{position="{position}"}}'
             assert _value(text, sample) == kept
+        sample = 'kvstep_spec_decode_requests_without_drafts_total{reason="logprobs"}'
+        assert _value(text, sample) == 1
