@@ -86,6 +86,22 @@ class TestTokens:
                                  world_size=2, speculative_config=spec)  # fmt: skip
         assert two == plain and drafted > 0
 
+    def test_shared_storage_second_engine_reuses_the_stored_kv(self, tmp_path: Path) -> None:
+        """Blocks of kept tokens are saved; a second engine (empty prefix cache) loads
+        them for prompts that extend the first outputs and gives the same tokens as an
+        engine without speculation or connector."""
+        prompts = _prompts(512)
+        store = {"path": str(tmp_path / "kv")}
+        connector: dict[str, Any] = {"connector": "shared_storage", "connector_options": store}
+        spec = _draft("builtin:tiny")
+        first, _ = _run("builtin:tiny", prompts, GREEDY, speculative_config=spec, **connector)
+        longer = [p + list(t[:-1]) for p, t in zip(prompts, first, strict=True)]
+        plain, _ = _run("builtin:tiny", longer, GREEDY)
+        with LLM(EngineConfig(model="builtin:tiny", speculative_config=spec, **connector)) as llm:
+            outs = llm.generate(longer, GREEDY)
+        assert [tuple(o.token_ids) for o in outs] == plain
+        assert sum(o.num_cached_tokens for o in outs) >= 16 * len(prompts)
+
 
 class TestProposer:
     def test_rejected_drafts_are_computed_again(self) -> None:
