@@ -185,6 +185,33 @@ class TestBudget:
         assert kept == 0 and 0 < drafted <= 12, drafted  # 3, 1, then 1 per pause of 2, 4, 8, 16
 
 
+class TestOutputs:
+    def test_stop_tokens_stop_strings_and_text_as_without_drafts(self) -> None:
+        """Kept drafts go through stop checks and detokenization one token at a time: a
+        stop token or string inside a step's kept drafts ends the output exactly where
+        decoding without drafts ends it, with the same text."""
+        prompts = _prompts()
+        with LLM(EngineConfig(model="builtin:tiny")) as llm:
+            free = llm.generate(prompts, GREEDY)
+        stop_token = free[0].token_ids[17]
+        stop_text = free[2].text[len(free[2].text) // 2 :][:3]
+        params = [
+            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                           stop_token_ids=[stop_token]),
+            GREEDY,
+            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop_text]),
+        ]  # fmt: skip
+        results = []
+        for config in ({}, {"speculative_config": NGRAM}):
+            with LLM(EngineConfig(model="builtin:tiny", **config)) as llm:
+                outs = llm.generate(prompts, params)
+                results.append([(tuple(o.token_ids), o.text, o.finish_reason) for o in outs])
+                kept = llm.engine.core.scheduler.spec_decode_counts[1]
+        assert kept > 0
+        assert results[0] == results[1]
+        assert results[1][0][2] == results[1][2][2] == "stop"
+
+
 class TestWithTheEnginesMachinery:
     def test_two_worker_processes(self) -> None:
         """Tensor parallel over two processes: the drafts go out with the step's

@@ -78,8 +78,11 @@ class TestTokens:
     def test_under_kv_pressure_and_with_two_worker_processes(self) -> None:
         prompts = _prompts(512) * 2
         plain, _ = _run("builtin:tiny", prompts, GREEDY)
-        tight, (drafted, _) = _run("builtin:tiny", prompts, GREEDY, num_gpu_blocks=10,
-                                   speculative_config=_draft("builtin:tiny"))  # fmt: skip
+        with LLM(EngineConfig(model="builtin:tiny", num_gpu_blocks=10,
+                              speculative_config=_draft("builtin:tiny"))) as llm:  # fmt: skip
+            tight = [tuple(o.token_ids) for o in llm.generate(prompts, GREEDY)]
+            drafted, _ = llm.engine.core.scheduler.spec_decode_counts
+            assert llm.engine.core.scheduler.num_preemptions > 0
         assert tight == plain and drafted > 0
         spec = _draft("builtin:tiny")
         two, (drafted, _) = _run("builtin:tiny", prompts, GREEDY, executor="multiproc",
