@@ -6,9 +6,14 @@ weight prepacked into its blocked layout (``torch.ops.mkldnn._reorder_linear_wei
 ``_linear_pointwise``, what inductor's CPU freezing and vLLM-CPU use) beats it for large
 row counts, and in bf16 on a CPU with AMX it is the fastest at every row count (batch-1
 ``F.linear`` in bf16 is slower than fp32 there). So nothing is assumed: at load,
-:func:`choose_kernel` times each candidate on the model's own projection shapes, at one
-row (a decode step) and at a prefill chunk, and :func:`apply_kernel` puts the decoder's
-projections on the winner.
+:func:`choose_kernel` times each candidate on the model's own projection shapes at one
+row (a batch-1 decode step), 8 rows (a batched decode step) and 256 rows (a prefill
+chunk), and :func:`apply_kernel` puts the decoder's projections on the candidate with
+the least time per token summed over the three. Per token, not per call: a sum of call
+times is all prefill (a 256-row call takes ~40x a 1-row one), and picked oneDNN for
+fp32 on a 2-core AMX Xeon, 10% faster there at 256 rows but 2.2x slower at one row,
+which made batch-1 decode 1.45x slower in the engine (103-128 vs 155-169 tok/s on a
+32M Llama; prefill equal).
 
 Candidates (:data:`KERNELS`):
 
@@ -48,6 +53,7 @@ from pipeline.errors import InvalidConfigError
 __all__ = [
     "ENV",
     "KERNELS",
+    "TIMED_ROWS",
     "FusedPackedLinear",
     "KernelChoice",
     "PackedLinear",
@@ -64,6 +70,8 @@ ENV: Final = "KVSTEP_LINEAR_KERNEL"
 KERNELS: Final = ("mkl", "onednn")
 #: Rows of the prefill-sized timing (a chunk of a long prompt).
 PREFILL_ROWS: Final = 256
+#: Rows of each timing: batch-1 decode, batched decode, a prefill chunk.
+TIMED_ROWS: Final = (1, 8, PREFILL_ROWS)
 _REPEATS = 5
 
 
@@ -194,8 +202,8 @@ class KernelChoice:
     Attributes:
         kernel: The kernel the projections run on.
         forced: Whether ``$KVSTEP_LINEAR_KERNEL`` named it (no timing then).
-        seconds: Per candidate, the summed time of one decode row plus one prefill
-            chunk over the model's projection shapes (empty when forced or alone).
+        seconds: Per candidate, its seconds per token over the model's projection
+            shapes, summed over :data:`TIMED_ROWS` (empty when forced or alone).
     """
 
     kernel: str
@@ -265,19 +273,20 @@ def _time(kernel: str, shapes: Mapping[tuple[int, int], int], dtype: torch.dtype
             linear = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
             packed = PackedLinear(linear) if kernel == "onednn" else None
             weight = linear.weight.detach()
-            for rows in (1, PREFILL_ROWS):
+            for rows in TIMED_ROWS:
                 x = torch.randn(rows, in_f, dtype=dtype)
                 if packed is not None:
-                    total += count * _best_of(functools.partial(packed, x))
+                    took = _best_of(functools.partial(packed, x))
                 else:
-                    total += count * _best_of(functools.partial(F.linear, x, weight))
+                    took = _best_of(functools.partial(F.linear, x, weight))
+                total += count * took / rows  # per token
     return total
 
 
 def choose_kernel(model: nn.Module, device: torch.device, dtype: torch.dtype) -> KernelChoice:
     """The kernel for ``model``'s projections: forced by ``$KVSTEP_LINEAR_KERNEL``, else
-    the candidate with the least time over the model's projection shapes (each shape
-    weighted by how many projections have it) at one row and at a prefill chunk.
+    the candidate with the least time per token over the model's projection shapes (each
+    shape weighted by how many projections have it), summed over :data:`TIMED_ROWS`.
 
     Raises:
         InvalidConfigError: A forced kernel this machine does not have.
