@@ -27,6 +27,18 @@ TINY = {
         max_position_embeddings=1024,
         sliding_window=None,
     ),
+    "qwen3": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    ),
     "qwen2": dict(
         vocab_size=256,
         hidden_size=64,
@@ -57,6 +69,7 @@ def build_hf_model(kind: str, seed: int = 0, *, base: dict[str, Any], **override
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model: Any = model_cls(config_cls(**{**base, **overrides})).to(torch.float32).eval()

@@ -1,7 +1,9 @@
 """The model configuration kvstep needs, parsed from a Hugging Face ``config.json``.
 
 Supported architectures are the Llama family: ``LlamaForCausalLM``,
-``MistralForCausalLM`` and ``Qwen2ForCausalLM``. Both the transformers 4 layout
+``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (Qwen2's layout
+without q/k/v biases, with each query and key head RMS-normed before the rotary
+embedding). Both the transformers 4 layout
 (``rope_theta`` + ``rope_scaling``) and the transformers 5 layout (``rope_parameters``)
 of the rotary-embedding settings are accepted.
 """
@@ -24,7 +26,12 @@ __all__ = [
     "load_model_config",
 ]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 # Keys of a rope dict that are not scaling parameters.
@@ -74,6 +81,8 @@ class ModelConfig:
         attention_bias: q/k/v projections carry a bias (always for Qwen2).
         o_proj_bias: The output projection carries a bias (Llama ``attention_bias``).
         mlp_bias: The MLP projections carry a bias (Llama ``mlp_bias``).
+        qk_norm: Each query and key head is RMS-normed over its width before the
+            rotary embedding (Qwen3's ``q_norm``/``k_norm``).
         sliding_window: Sliding-window length, ``None`` when the model uses none.
         eos_token_ids: End-of-sequence token ids (``config.json`` may give one or a list).
         torch_dtype: The dtype the checkpoint was saved in, as a string, if stated.
@@ -94,6 +103,7 @@ class ModelConfig:
     attention_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -148,9 +158,10 @@ class ModelConfig:
             ) from None
         head_dim = data.get("head_dim") or hidden // heads
         qwen2 = arch == "Qwen2ForCausalLM"
+        qwen3 = arch == "Qwen3ForCausalLM"
         attention_bias = bool(data.get("attention_bias", False))
         sliding = data.get("sliding_window")
-        if qwen2 and not data.get("use_sliding_window", False):
+        if (qwen2 or qwen3) and not data.get("use_sliding_window", False):
             sliding = None
         eos = data.get("eos_token_id")
         eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
@@ -167,6 +178,7 @@ class ModelConfig:
             attention_bias=qwen2 or attention_bias,
             o_proj_bias=attention_bias and not qwen2,
             mlp_bias=bool(data.get("mlp_bias", False)),
+            qk_norm=qwen3,
             sliding_window=None if sliding is None else int(sliding),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),

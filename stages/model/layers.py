@@ -28,6 +28,7 @@ __all__ = [
     "LayerHooks",
     "MLPRefs",
     "Projection",
+    "QKNorm",
     "RMSNorm",
     "attend",
     "forget_references",
@@ -129,12 +130,17 @@ def _project(p: Projection, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
+"""Qwen3's per-head query and key RMSNorm weights and their epsilon."""
+
 AttentionRefs = tuple[
-    Projection, Projection | None, Projection | None, Projection, int, int, int, float, int
-]
-"""q, k, v and o projections, heads, KV heads, head width, scale, layer index. With
-q/k/v packed as one GEMM (``qkv_proj``, :func:`~stages.model.linear_kernels.apply_kernel`)
-the first is that projection and k and v are ``None``."""
+    Projection, Projection | None, Projection | None, Projection, int, int, int, float, int,
+    QKNorm | None,
+]  # fmt: skip
+"""q, k, v and o projections, heads, KV heads, head width, scale, layer index, and the
+q/k norms (``None``: none). With q/k/v packed as one GEMM (``qkv_proj``,
+:func:`~stages.model.linear_kernels.apply_kernel`) the first is that projection and k
+and v are ``None``."""
 
 MLPRefs = tuple[Projection, Projection | None, Projection]
 """gate, up and down projections; with gate/up packed as one GEMM (``gate_up_proj``) the
@@ -159,15 +165,19 @@ def attend(
 ) -> torch.Tensor:
     """Self-attention of ``x [T, hidden]`` over the paged KV cache (its new K/V written),
     added to ``residual`` when one is given."""
-    q_p, k_p, v_p, o_p, heads, kv_heads, head_dim, scale, layer = refs
+    q_p, k_p, v_p, o_p, heads, kv_heads, head_dim, scale, layer, qk_norm = refs
     t = x.shape[0]
     if k_p is None or v_p is None:  # one GEMM for the three: its columns are q | k | v
         q_x, k_x, v_x = _project(q_p, x).split((heads * head_dim, kv_heads * head_dim,
                                                kv_heads * head_dim), -1)  # fmt: skip
     else:
         q_x, k_x, v_x = _project(q_p, x), _project(k_p, x), _project(v_p, x)
-    q = apply_rotary(q_x.view(t, heads, head_dim), *rope)
-    k = apply_rotary(k_x.view(t, kv_heads, head_dim), *rope)
+    q_h, k_h = q_x.view(t, heads, head_dim), k_x.view(t, kv_heads, head_dim)
+    if qk_norm is not None:  # Qwen3: each head normed over its width, before the rotation
+        q_w, k_w, eps = qk_norm
+        q_h, k_h = rms_norm(q_h, q_w, eps), rms_norm(k_h, k_w, eps)
+    q = apply_rotary(q_h, *rope)
+    k = apply_rotary(k_h, *rope)
     v = v_x.view(t, kv_heads, head_dim)
     if hooks is not None:
         hooks.before_attention(layer)
@@ -216,6 +226,9 @@ class Attention(nn.Module):
         self.o_proj = row_parallel_linear(
             self.num_heads * hd, hidden, bias=config.o_proj_bias, tp=tp
         )
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
     def refs(self) -> AttentionRefs:
         """The tensors and sizes :func:`attend` reads."""
@@ -225,8 +238,12 @@ class Attention(nn.Module):
             if qkv is not None
             else (_projection(self.q_proj), _projection(self.k_proj), _projection(self.v_proj))
         )
+        q_norm, k_norm = self._modules.get("q_norm"), self._modules.get("k_norm")
+        qk_norm = None
+        if isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm):
+            qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
         return (q, k, v, _projection(self.o_proj), self.num_heads, self.num_kv_heads,
-                self.head_dim, self.scale, self.layer)  # fmt: skip
+                self.head_dim, self.scale, self.layer, qk_norm)  # fmt: skip
 
     def forward(
         self,

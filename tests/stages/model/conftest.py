@@ -36,6 +36,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2": ("qwen2", {"tie_word_embeddings": False, "use_sliding_window": False}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True, "use_sliding_window": False}),
+    "qwen3": ("qwen3", {"tie_word_embeddings": False, "use_sliding_window": False, "head_dim": 32}),
+    "qwen3_tied_bias": (
+        "qwen3",
+        {"tie_word_embeddings": True, "use_sliding_window": False, "attention_bias": True},
+    ),
     "rope_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "rope_llama3": (
         "llama",

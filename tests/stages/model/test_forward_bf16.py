@@ -50,7 +50,15 @@ def kvstep_greedy(path: Path, batches: list[torch.Tensor]) -> list[list[list[int
 class TestBfloat16MatchesTransformers:
     @pytest.mark.parametrize(
         "variant",
-        ["llama_gqa", "llama_tied", "llama_bias_head_dim", "mistral", "qwen2", "rope_yarn"],
+        [
+            "llama_gqa",
+            "llama_tied",
+            "llama_bias_head_dim",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "rope_yarn",
+        ],
     )
     def test_greedy_tokens_equal(self, hf_checkpoint: HFGet, variant: str) -> None:
         """Equal-length batches: kvstep's bfloat16 greedy tokens are transformers'."""

@@ -85,6 +85,19 @@ class TestModelConfig:
         cfg = ModelConfig.from_hf_dict(_llama_dict(architectures=["Qwen2ForCausalLM"]))
         assert cfg.attention_bias and not cfg.o_proj_bias
 
+    def test_qwen3_norms_query_and_key_heads_without_bias(self) -> None:
+        """Qwen3: q/k RMSNorm per head, no q/k/v bias unless the config says so, and no
+        sliding window unless ``use_sliding_window``."""
+        cfg = ModelConfig.from_hf_dict(
+            _llama_dict(architectures=["Qwen3ForCausalLM"], sliding_window=4096)
+        )
+        assert cfg.qk_norm and not cfg.attention_bias and cfg.sliding_window is None
+        biased = ModelConfig.from_hf_dict(
+            _llama_dict(architectures=["Qwen3ForCausalLM"], attention_bias=True)
+        )
+        assert biased.attention_bias and biased.o_proj_bias
+        assert not ModelConfig.from_hf_dict(_llama_dict()).qk_norm
+
     def test_unknown_architecture(self, tmp_path: Path) -> None:
         """An unsupported architecture names the path and the supported list."""
         (tmp_path / "config.json").write_text(

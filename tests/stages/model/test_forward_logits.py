@@ -57,6 +57,8 @@ class TestLogitsMatchTransformers:
             "mistral",
             "qwen2",
             "qwen2_tied",
+            "qwen3",
+            "qwen3_tied_bias",
         ],
     )
     def test_architectures(self, hf_checkpoint: HFGet, step_driver: Any, variant: str) -> None:

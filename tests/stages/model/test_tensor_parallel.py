@@ -37,6 +37,7 @@ CASES = [
     ("llama_gqa", 2),
     ("llama_gqa", 4),
     ("qwen2", 2),
+    ("qwen3", 2),
     ("llama_bias", 2),
     ("llama_bias", 4),
 ]
@@ -61,6 +62,7 @@ def tp_checkpoints(
     return {
         "llama_gqa": tiny_checkpoints["llama"],
         "qwen2": tiny_checkpoints["qwen2"],
+        "qwen3": tiny_checkpoints["qwen3"],
         "llama_bias": bias,
     }
 
