@@ -5,7 +5,9 @@ sharded set listed by ``model.safetensors.index.json``. Keys are checked strictl
 a missing or unexpected weight, or a shape mismatch, is a
 :class:`~pipeline.errors.ModelLoadError` that names the path and a few of the keys.
 With a sharded :class:`~stages.model.parallel.TensorParallel`, only this rank's slice of
-each split weight is read from disk.
+each split weight is read from disk. A projection stored fused (Phi-3's ``qkv_proj`` and
+``gate_up_proj``, :data:`FUSED_PROJECTIONS`) is read as its parts, each one's rows (and
+this rank's slice of them) straight from the stored matrix.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import hashlib
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import torch
@@ -125,6 +127,81 @@ def _list_keys(path: Path, files: list[Path]) -> dict[str, Path]:
     return where
 
 
+#: Projections some checkpoints store as one matrix (Phi-3's ``qkv_proj`` and
+#: ``gate_up_proj``), and the parts they stack, in row order.
+FUSED_PROJECTIONS: Final = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _part_rows(part: str, config: ModelConfig) -> int:
+    if part.endswith("q_proj"):
+        return config.num_attention_heads * config.head_dim
+    if part.endswith(("k_proj", "v_proj")):
+        return config.num_key_value_heads * config.head_dim
+    return config.intermediate_size
+
+
+def _fused_parts(where: dict[str, Path], config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """``{part's weight name: (stored fused key, first row, rows)}`` for every fused
+    projection of the checkpoint (its weight and bias); their parts are added to
+    ``where`` (same file) and the fused keys removed."""
+    parts: dict[str, tuple[str, int, int]] = {}
+    for key in [k for k in where if k.endswith((".weight", ".bias"))]:
+        owner, _, attr = key.rpartition(".")
+        for fused, names in FUSED_PROJECTIONS.items():
+            if not owner.endswith("." + fused):
+                continue
+            prefix = owner[: -len(fused)]
+            offset = 0
+            for name in names:
+                rows = _part_rows(name, config)
+                parts[f"{prefix}{name}.{attr}"] = (key, offset, rows)
+                offset += rows
+    for name, (key, _, _) in parts.items():
+        where[name] = where[key]
+    for key in {key for key, _, _ in parts.values()}:
+        del where[key]
+    return parts
+
+
+class _Rows:
+    """Rows ``[offset, offset + rows)`` of stored tensor ``key`` of ``fh``, read as if
+    they were a tensor of their own (``safe_open``'s ``get_tensor``/``get_slice`` API);
+    a fused matrix whose row count is not the parts' sum is refused by shape."""
+
+    def __init__(self, fh: Any, key: str, offset: int, rows: int) -> None:
+        self.fh, self.key, self.offset, self.rows = fh, key, offset, rows
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self[(slice(0, self.rows),)]
+
+    def get_slice(self, name: str) -> _Rows:
+        return self
+
+    def get_shape(self) -> list[int]:
+        shape = list(self.fh.get_slice(self.key).get_shape())
+        return [self.rows, *shape[1:]]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        first, rest = index[0], index[1:]
+        start = self.offset + (first.start or 0)
+        stop = self.offset + (self.rows if first.stop is None else first.stop)
+        out: torch.Tensor = self.fh.get_slice(self.key)[(slice(start, stop), *rest)]
+        return out
+
+
+def _check_fused(fh: Any, key: str, parts: list[tuple[str, int, int]], directory: Path) -> None:
+    """A fused matrix must have exactly its parts' rows."""
+    rows = sum(r for k, _, r in parts if k == key)
+    shape = tuple(fh.get_slice(key).get_shape())
+    if not shape or shape[0] != rows:
+        raise ModelLoadError(
+            directory, f"weight {key!r} has shape {shape}, the config needs {rows} rows"
+        )
+
+
 def _few(keys: set[str]) -> str:
     shown = sorted(keys)[:5]
     more = f" (and {len(keys) - len(shown)} more)" if len(keys) > len(shown) else ""
@@ -195,6 +272,7 @@ def load_model(
     config = config or load_model_config(directory)
     files = checkpoint_files(directory)
     where = _list_keys(directory, files)
+    fused = _fused_parts(where, config)
     with torch.device("meta"):
         model = CausalLM(config, tp)
     params = dict(model.named_parameters())  # tied lm_head.weight appears once
@@ -211,9 +289,11 @@ def load_model(
         by_file.setdefault(where[name], []).append(name)
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as fh:
+            for key in {fused[n][0] for n in names if n in fused}:
+                _check_fused(fh, key, list(fused.values()), directory)
             for name in names:
                 tensor = _read(
-                    fh,
+                    fh if name not in fused else _Rows(fh, *fused[name]),
                     name,
                     tuple(params[name].shape),
                     tp,

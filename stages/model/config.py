@@ -1,9 +1,11 @@
 """The model configuration kvstep needs, parsed from a Hugging Face ``config.json``.
 
 Supported architectures are the Llama family: ``LlamaForCausalLM``,
-``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (Qwen2's layout
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` (Qwen2's layout
 without q/k/v biases, with each query and key head RMS-normed before the rotary
-embedding). Both the transformers 4 layout
+embedding) and ``Phi3ForCausalLM`` (Llama's layers, with q/k/v and gate/up stored as one
+matrix each, split when loaded: :mod:`~stages.model.checkpoint`). Rotary embeddings on
+part of a head (``partial_rotary_factor`` below 1) are refused. Both the transformers 4 layout
 (``rope_theta`` + ``rope_scaling``) and the transformers 5 layout (``rope_parameters``)
 of the rotary-embedding settings are accepted.
 """
@@ -31,11 +33,12 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 # Keys of a rope dict that are not scaling parameters.
-_ROPE_META_KEYS = frozenset({"rope_type", "type", "rope_theta"})
+_ROPE_META_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
 
 
 @attrs.frozen(kw_only=True)
@@ -156,6 +159,9 @@ class ModelConfig:
             raise ModelLoadError(
                 path, f"config.json lacks required field {exc.args[0]!r}"
             ) from None
+        act = data.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(path, f"hidden_act={act!r} is unsupported (SwiGLU: silu)")
         head_dim = data.get("head_dim") or hidden // heads
         qwen2 = arch == "Qwen2ForCausalLM"
         qwen3 = arch == "Qwen3ForCausalLM"
@@ -192,6 +198,11 @@ def _parse_rope(data: dict[str, Any], path: object) -> RopeConfig:
         raise ModelLoadError(path, f"rope settings {rope!r} must be a JSON object")
     if rope and all(isinstance(v, dict) for v in rope.values()):
         raise ModelLoadError(path, "per-layer-type rope parameters are unsupported")
+    partial = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelLoadError(
+            path, f"partial_rotary_factor={partial!r} is unsupported (rotary on whole heads only)"
+        )
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(

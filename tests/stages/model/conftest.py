@@ -41,6 +41,16 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen3",
         {"tie_word_embeddings": True, "use_sliding_window": False, "attention_bias": True},
     ),
+    "phi3": (
+        "phi3",
+        {
+            "tie_word_embeddings": False,
+            "sliding_window": None,
+            "pad_token_id": 0,
+            "eos_token_id": 2,
+            "bos_token_id": 1,
+        },
+    ),
     "rope_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "rope_llama3": (
         "llama",

@@ -98,6 +98,21 @@ class TestModelConfig:
         assert biased.attention_bias and biased.o_proj_bias
         assert not ModelConfig.from_hf_dict(_llama_dict()).qk_norm
 
+    @pytest.mark.parametrize(
+        ("fields", "match"),
+        [
+            ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
+            ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                  "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
+            ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ],
+    )  # fmt: skip
+    def test_what_the_layers_do_not_compute_is_refused(
+        self, fields: dict[str, Any], match: str
+    ) -> None:
+        with pytest.raises(ModelLoadError, match=match):
+            ModelConfig.from_hf_dict(_llama_dict(architectures=["Phi3ForCausalLM"], **fields))
+
     def test_unknown_architecture(self, tmp_path: Path) -> None:
         """An unsupported architecture names the path and the supported list."""
         (tmp_path / "config.json").write_text(
@@ -194,6 +209,16 @@ class TestLoadModel:
         state["model.norm.weight"] = torch.ones(3)
         save_file(state, path / "model.safetensors")
         with pytest.raises(ModelLoadError, match=r"model\.norm\.weight.*\(3,\).*\(64,\)"):
+            load_model(path, dtype=torch.float32, device=CPU, max_len=64)
+
+    def test_a_fused_matrix_of_the_wrong_rows(self, hf_checkpoint: HFGet, tmp_path: Path) -> None:
+        """Phi-3's qkv_proj must hold exactly q, k and v's rows."""
+        path = _copy(hf_checkpoint("phi3")[1], tmp_path / "m")
+        state = load_file(path / "model.safetensors")
+        key = "model.layers.0.self_attn.qkv_proj.weight"
+        state[key] = state[key][:-16].clone()
+        save_file(state, path / "model.safetensors")
+        with pytest.raises(ModelLoadError, match=r"qkv_proj\.weight.*\(112, 64\).*128 rows"):
             load_model(path, dtype=torch.float32, device=CPU, max_len=64)
 
     def test_no_weight_files(self, hf_checkpoint: HFGet, tmp_path: Path) -> None:

@@ -59,6 +59,7 @@ class TestLogitsMatchTransformers:
             "qwen2_tied",
             "qwen3",
             "qwen3_tied_bias",
+            "phi3",
         ],
     )
     def test_architectures(self, hf_checkpoint: HFGet, step_driver: Any, variant: str) -> None:

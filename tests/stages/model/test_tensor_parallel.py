@@ -38,6 +38,7 @@ CASES = [
     ("llama_gqa", 4),
     ("qwen2", 2),
     ("qwen3", 2),
+    ("phi3", 2),
     ("llama_bias", 2),
     ("llama_bias", 4),
 ]
@@ -63,6 +64,7 @@ def tp_checkpoints(
         "llama_gqa": tiny_checkpoints["llama"],
         "qwen2": tiny_checkpoints["qwen2"],
         "qwen3": tiny_checkpoints["qwen3"],
+        "phi3": tiny_checkpoints["phi3"],
         "llama_bias": bias,
     }
 
