@@ -54,6 +54,23 @@ TINY = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    "mixtral": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "qwen2": dict(
         vocab_size=256,
         hidden_size=64,
@@ -86,6 +103,7 @@ def build_hf_model(kind: str, seed: int = 0, *, base: dict[str, Any], **override
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model: Any = model_cls(config_cls(**{**base, **overrides})).to(torch.float32).eval()

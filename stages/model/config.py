@@ -4,8 +4,10 @@ Supported architectures are the Llama family: ``LlamaForCausalLM``,
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` (Qwen2's layout
 without q/k/v biases, with each query and key head RMS-normed before the rotary
 embedding) and ``Phi3ForCausalLM`` (Llama's layers, with q/k/v and gate/up stored as one
-matrix each, split when loaded: :mod:`~stages.model.checkpoint`). Rotary embeddings on
-part of a head (``partial_rotary_factor`` below 1) are refused. Both the transformers 4 layout
+matrix each, split when loaded: :mod:`~stages.model.checkpoint`), and
+``MixtralForCausalLM`` (Llama's attention, a top-k routed mixture of SwiGLU experts in
+place of the MLP: :mod:`~stages.model.moe`). Rotary embeddings on part of a head
+(``partial_rotary_factor`` below 1) are refused. Both the transformers 4 layout
 (``rope_theta`` + ``rope_scaling``) and the transformers 5 layout (``rope_parameters``)
 of the rotary-embedding settings are accepted.
 """
@@ -34,6 +36,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -84,6 +87,8 @@ class ModelConfig:
         attention_bias: q/k/v projections carry a bias (always for Qwen2).
         o_proj_bias: The output projection carries a bias (Llama ``attention_bias``).
         mlp_bias: The MLP projections carry a bias (Llama ``mlp_bias``).
+        num_experts: Experts of each layer's mixture-of-experts block (0: a plain MLP).
+        num_experts_per_tok: Experts each token is routed to.
         qk_norm: Each query and key head is RMS-normed over its width before the
             rotary embedding (Qwen3's ``q_norm``/``k_norm``).
         sliding_window: Sliding-window length, ``None`` when the model uses none.
@@ -106,6 +111,8 @@ class ModelConfig:
     attention_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
     qk_norm: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -185,11 +192,25 @@ class ModelConfig:
             o_proj_bias=attention_bias and not qwen2,
             mlp_bias=bool(data.get("mlp_bias", False)),
             qk_norm=qwen3,
+            **_experts(arch, data, path),
             sliding_window=None if sliding is None else int(sliding),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
             **fields,
         )
+
+
+def _experts(arch: str, data: dict[str, Any], path: object) -> dict[str, int]:
+    """``num_experts`` and ``num_experts_per_tok`` of a mixture-of-experts config."""
+    if arch != "MixtralForCausalLM":
+        return {}
+    experts, top_k = data.get("num_local_experts"), data.get("num_experts_per_tok")
+    if not isinstance(experts, int) or not isinstance(top_k, int) or not 0 < top_k <= experts:
+        raise ModelLoadError(
+            path, f"num_local_experts={experts!r} and num_experts_per_tok={top_k!r} must be "
+            "integers with 0 < num_experts_per_tok <= num_local_experts",
+        )  # fmt: skip
+    return {"num_experts": experts, "num_experts_per_tok": top_k}
 
 
 def _parse_rope(data: dict[str, Any], path: object) -> RopeConfig:

@@ -17,6 +17,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from stages.model.attention import AttentionMetadata, paged_attention
 from stages.model.config import ModelConfig
+from stages.model.moe import SparseMoE
 from stages.model.parallel import TensorParallel, row_parallel_linear
 from stages.model.rope import CosSin, apply_rotary
 
@@ -299,7 +300,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer, tp)
-        self.mlp = MLP(config, tp)
+        if config.num_experts:
+            self.block_sparse_moe = SparseMoE(config, tp)
+        else:
+            self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._refs_cache: tuple[int, tuple[Any, ...]] | None = None
@@ -309,8 +313,9 @@ class DecoderLayer(nn.Module):
         if cache is not None and cache[0] == _ASSIGNMENTS[0]:
             return cache[1]
         norm, post = self.input_layernorm, self.post_attention_layernorm
+        moe = self._modules.get("block_sparse_moe")
         refs = (norm.weight, norm.eps, self.self_attn.refs(), post.weight, post.eps,
-                self.mlp.refs())  # fmt: skip
+                moe if moe is not None else self.mlp.refs())  # fmt: skip
         self._refs_cache = (_ASSIGNMENTS[0], refs)
         return refs
 
@@ -328,4 +333,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         norm_w, norm_eps, attn, post_w, post_eps, mlp = self._refs()
         x = attend(attn, rms_norm(x, norm_w, norm_eps), rope, meta, kv_cache, hooks, x)
+        if isinstance(mlp, nn.Module):  # a mixture of experts
+            out: torch.Tensor = mlp(rms_norm(x, post_w, post_eps), x)
+            return out
         return swiglu(mlp, rms_norm(x, post_w, post_eps), x)

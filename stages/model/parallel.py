@@ -43,8 +43,8 @@ __all__ = [
 ]
 
 # HF module names of the split projections (the last component before ``.weight``/``.bias``).
-_COLUMN_SPLIT = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
-_ROW_SPLIT = frozenset({"o_proj", "down_proj"})
+_COLUMN_SPLIT = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3"})
+_ROW_SPLIT = frozenset({"o_proj", "down_proj", "w2"})  # w1/w2/w3: Mixtral's experts
 
 
 def _no_reduce(tensor: torch.Tensor) -> object:
@@ -251,6 +251,9 @@ def shard_slice(
         "gate_proj": config.intermediate_size,
         "up_proj": config.intermediate_size,
         "down_proj": config.intermediate_size,
+        "w1": config.intermediate_size,
+        "w2": config.intermediate_size,
+        "w3": config.intermediate_size,
         "lm_head": config.vocab_size,
     }[module]
     length = full // tp.size

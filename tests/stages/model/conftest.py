@@ -51,6 +51,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             "bos_token_id": 1,
         },
     ),
+    "mixtral": (
+        "mixtral",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+            "pad_token_id": 0,
+            "eos_token_id": 2,
+            "bos_token_id": 1,
+            "intermediate_size": 96,
+        },
+    ),
     "rope_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "rope_llama3": (
         "llama",

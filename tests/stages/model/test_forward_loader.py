@@ -99,6 +99,19 @@ class TestModelConfig:
         assert not ModelConfig.from_hf_dict(_llama_dict()).qk_norm
 
     @pytest.mark.parametrize(
+        "fields",
+        [{}, {"num_local_experts": 2, "num_experts_per_tok": 3},
+         {"num_local_experts": "8", "num_experts_per_tok": 2}],
+    )  # fmt: skip
+    def test_mixtral_needs_a_sound_routing(self, fields: dict[str, Any]) -> None:
+        with pytest.raises(ModelLoadError, match="num_experts_per_tok"):
+            ModelConfig.from_hf_dict(_llama_dict(architectures=["MixtralForCausalLM"], **fields))
+        good = _llama_dict(architectures=["MixtralForCausalLM"], num_local_experts=8,
+                           num_experts_per_tok=2)  # fmt: skip
+        cfg = ModelConfig.from_hf_dict(good)
+        assert (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
+
+    @pytest.mark.parametrize(
         ("fields", "match"),
         [
             ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),

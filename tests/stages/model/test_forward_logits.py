@@ -60,6 +60,7 @@ class TestLogitsMatchTransformers:
             "qwen3",
             "qwen3_tied_bias",
             "phi3",
+            "mixtral",
         ],
     )
     def test_architectures(self, hf_checkpoint: HFGet, step_driver: Any, variant: str) -> None:

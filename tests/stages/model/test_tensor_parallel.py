@@ -39,6 +39,7 @@ CASES = [
     ("qwen2", 2),
     ("qwen3", 2),
     ("phi3", 2),
+    ("mixtral", 2),
     ("llama_bias", 2),
     ("llama_bias", 4),
 ]
@@ -65,6 +66,7 @@ def tp_checkpoints(
         "qwen2": tiny_checkpoints["qwen2"],
         "qwen3": tiny_checkpoints["qwen3"],
         "phi3": tiny_checkpoints["phi3"],
+        "mixtral": tiny_checkpoints["mixtral"],
         "llama_bias": bias,
     }
 
