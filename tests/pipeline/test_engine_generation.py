@@ -96,6 +96,26 @@ class TestGreedyMatchesTransformers:
         assert got == expected
 
 
+class TestMixtureOfExperts:
+    def test_prefix_cache_preemption_and_two_worker_processes(
+        self, tiny_checkpoints: dict[str, Path], leak_check
+    ) -> None:
+        """Mixtral's tokens stay transformers' with prefix-cache hits, under block
+        pressure (preemption) and split over two worker processes (experts sharded)."""
+        path = tiny_checkpoints["mixtral"]
+        prompts = _prompts(256)[2:6]
+        expected = _hf_greedy(path, prompts, NEW_TOKENS)
+        params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
+        base = {"model": str(path), "dtype": "float32", "max_model_len": 512}
+        for options in ({}, {"num_gpu_blocks": 10}, {"executor": "multiproc", "world_size": 2}):
+            with LLM(EngineConfig(**base, **options)) as llm:
+                first = llm.generate(prompts, params)
+                again = llm.generate(prompts, params)
+                leak_check(llm.leak_report())
+            assert [list(o.token_ids) for o in first] == expected, options
+            assert [list(o.token_ids) for o in again] == expected, options
+
+
 class TestSampling:
     def test_seeded_sampling_is_reproducible_across_batches(self, llama_path: Path) -> None:
         """A seeded request samples the same tokens alone and inside a batch."""
