@@ -122,6 +122,18 @@ TINY_ARGS = {
         "--rounds",
         "1",
     ],
+    "moe.py": [
+        "--prompts",
+        "2",
+        "--prompt-len",
+        "16",
+        "--new-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--experts",
+        "4",
+    ],
     "throughput.py": [
         "--prompts",
         "2",
