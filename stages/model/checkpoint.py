@@ -26,6 +26,7 @@ from torch import nn
 from pipeline.errors import ModelLoadError
 from stages.model.config import ModelConfig, load_model_config
 from stages.model.model import CausalLM
+from stages.model.moe import SparseMoE
 from stages.model.parallel import UNSHARDED, TensorParallel, shard_slice
 
 __all__ = ["LoadedModel", "checkpoint_files", "load_model", "weights_identity"]
@@ -305,6 +306,9 @@ def load_model(
                 value = tensor.to(device=device, dtype=dtype)
                 setattr(model.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
     model.tie_weights()
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.pack()
     model.init_rope(max_len, device)
     model.eval()
     return LoadedModel(

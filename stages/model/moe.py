@@ -7,8 +7,9 @@ to sum to one (as transformers' ``MixtralSparseMoeBlock``); each expert is a Swi
 experts' outputs.
 
 Computed grouped by expert, not token by token: the (token, expert) pairs are sorted by
-expert once, and each expert with tokens runs three GEMMs over all of its tokens, its
-weighted result added into the output rows (``index_add_``). Under tensor parallelism
+expert once, and each expert with tokens runs two GEMMs over all of its tokens (gate and
+up as one, once :meth:`SparseMoE.pack` ran at load), its weighted result added into the
+output rows (``index_add_``). Under tensor parallelism
 each rank holds every expert's slice of the intermediate width (``w1``/``w3`` rows,
 ``w2`` columns), computes its partial sums for all tokens, and one all-reduce of the
 block's output completes them.
@@ -27,13 +28,20 @@ __all__ = ["SparseMoE"]
 
 
 class _Expert(nn.Module):
-    """One expert's SwiGLU MLP (Mixtral's names: ``w1`` gate, ``w3`` up, ``w2`` down)."""
+    """One expert's SwiGLU MLP (Mixtral's names: ``w1`` gate, ``w3`` up, ``w2`` down).
+
+    After :meth:`SparseMoE.pack`, ``w13`` holds ``w1`` and ``w3`` as one matrix (their
+    parameters are views of its halves: no second copy), so gate and up are one GEMM.
+    """
+
+    w13: torch.Tensor | None
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(hidden, inter, bias=False)
         self.w2 = nn.Linear(inter, hidden, bias=False)
         self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.w13 = None
 
 
 class SparseMoE(nn.Module):
@@ -54,6 +62,39 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.gate = nn.Linear(hidden, self.num_experts, bias=False)
         self.experts = nn.ModuleList(_Expert(hidden, inter) for _ in range(self.num_experts))
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def pack(self) -> None:
+        """Stack the experts' weights: ``w13`` ``[experts, 2 * inter, hidden]`` (each
+        expert's ``w1`` over its ``w3``) and ``w2`` ``[experts, hidden, inter]``; each
+        expert's parameters become views of its slices (no second copy; the loaded
+        tensors are freed), and gate and up are one GEMM. (Running every expert at once
+        as two batched GEMMs over zero-padded groups was measured slower at decode: it
+        reads every expert's weights, not only the routed ones': 841 vs 311 us per
+        layer at one token, fp32, 8 experts of 704.) Call once the weights are loaded;
+        assigning an expert's weights again undoes it."""
+        experts = [e for e in self.experts if isinstance(e, _Expert)]
+        w13 = torch.stack([torch.cat([e.w1.weight.detach(), e.w3.weight.detach()])
+                           for e in experts])  # fmt: skip
+        w2 = torch.stack([e.w2.weight.detach() for e in experts])
+        inter = w2.shape[-1]
+        for i, e in enumerate(experts):
+            e.w1.weight = nn.Parameter(w13[i, :inter], requires_grad=False)
+            e.w3.weight = nn.Parameter(w13[i, inter:], requires_grad=False)
+            e.w2.weight = nn.Parameter(w2[i], requires_grad=False)
+            e.w13 = w13[i]
+        self._stacked = (w13, w2)
+
+    def _packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stacked weights, while every expert's parameters are still their views."""
+        stacked = self._stacked
+        if stacked is None:
+            return None
+        first = self.experts[0]
+        assert isinstance(first, _Expert)
+        if first.w1.weight.data_ptr() != stacked[0].data_ptr():
+            return None
+        return stacked
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output for ``x [T, hidden]``, plus ``residual`` when given."""
@@ -63,6 +104,7 @@ class SparseMoE(nn.Module):
         pairs = chosen.reshape(-1)
         order = pairs.argsort(stable=True)
         counts = torch.bincount(pairs, minlength=self.num_experts).tolist()
+        stacked = self._packed()
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
@@ -74,8 +116,16 @@ class SparseMoE(nn.Module):
             h = x.index_select(0, rows)
             e = self.experts[expert]
             assert isinstance(e, _Expert)
-            y = F.linear(F.silu(F.linear(h, e.w1.weight)) * F.linear(h, e.w3.weight), e.w2.weight)
+            if stacked is not None and e.w13 is not None:
+                gate, up = F.linear(h, e.w13).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate).mul_(up), e.w2.weight)
+            else:
+                y = F.linear(F.silu(F.linear(h, e.w1.weight)) * F.linear(h, e.w3.weight),
+                             e.w2.weight)  # fmt: skip
             out.index_add_(0, rows, y * weights.index_select(0, mine)[:, None])
+        return self._finish(out, residual)
+
+    def _finish(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.tp.sharded:
             out = self.tp.reduce(out)
         return out if residual is None else out.add_(residual)
