@@ -71,6 +71,27 @@ TINY = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    "qwen3_moe": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "qwen2": dict(
         vocab_size=256,
         hidden_size=64,
@@ -104,6 +125,7 @@ def build_hf_model(kind: str, seed: int = 0, *, base: dict[str, Any], **override
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model: Any = model_cls(config_cls(**{**base, **overrides})).to(torch.float32).eval()

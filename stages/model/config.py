@@ -5,11 +5,12 @@ Supported architectures are the Llama family: ``LlamaForCausalLM``,
 without q/k/v biases, with each query and key head RMS-normed before the rotary
 embedding) and ``Phi3ForCausalLM`` (Llama's layers, with q/k/v and gate/up stored as one
 matrix each, split when loaded: :mod:`~stages.model.checkpoint`), and
-``MixtralForCausalLM`` (Llama's attention, a top-k routed mixture of SwiGLU experts in
-place of the MLP: :mod:`~stages.model.moe`). Rotary embeddings on part of a head
-(``partial_rotary_factor`` below 1) are refused. Both the transformers 4 layout
-(``rope_theta`` + ``rope_scaling``) and the transformers 5 layout (``rope_parameters``)
-of the rotary-embedding settings are accepted.
+``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` (a top-k routed mixture of SwiGLU
+experts in place of the MLP, in every layer or in those Qwen3-MoE's
+``decoder_sparse_step``/``mlp_only_layers`` say: :mod:`~stages.model.moe`). Rotary
+embeddings on part of a head (``partial_rotary_factor`` below 1) are refused. Both the
+transformers 4 layout (``rope_theta`` + ``rope_scaling``) and the transformers 5 layout
+(``rope_parameters``) of the rotary-embedding settings are accepted.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
     "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -87,8 +89,13 @@ class ModelConfig:
         attention_bias: q/k/v projections carry a bias (always for Qwen2).
         o_proj_bias: The output projection carries a bias (Llama ``attention_bias``).
         mlp_bias: The MLP projections carry a bias (Llama ``mlp_bias``).
-        num_experts: Experts of each layer's mixture-of-experts block (0: a plain MLP).
+        num_experts: Experts of each mixture-of-experts block (0: plain MLPs only).
         num_experts_per_tok: Experts each token is routed to.
+        moe_intermediate_size: Each expert's intermediate width (0: ``intermediate_size``).
+        norm_topk_prob: The chosen experts' weights are renormalised to sum to one.
+        moe_style: The experts' checkpoint names (``"mixtral"``: ``block_sparse_moe``
+            with ``w1/w2/w3``; ``"qwen3_moe"``: ``mlp`` with ``gate/up/down_proj``).
+        sparse_layers: The layers whose MLP is a mixture of experts.
         qk_norm: Each query and key head is RMS-normed over its width before the
             rotary embedding (Qwen3's ``q_norm``/``k_norm``).
         sliding_window: Sliding-window length, ``None`` when the model uses none.
@@ -113,10 +120,19 @@ class ModelConfig:
     mlp_bias: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_style: str = ""
+    sparse_layers: tuple[int, ...] = ()
     qk_norm: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Each expert's intermediate width."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def eos_token_id(self) -> int | None:
@@ -157,7 +173,7 @@ class ModelConfig:
         try:
             hidden = int(data["hidden_size"])
             heads = int(data["num_attention_heads"])
-            fields = {
+            fields: dict[str, Any] = {
                 "vocab_size": int(data["vocab_size"]),
                 "intermediate_size": int(data["intermediate_size"]),
                 "num_hidden_layers": int(data["num_hidden_layers"]),
@@ -171,7 +187,7 @@ class ModelConfig:
             raise ModelLoadError(path, f"hidden_act={act!r} is unsupported (SwiGLU: silu)")
         head_dim = data.get("head_dim") or hidden // heads
         qwen2 = arch == "Qwen2ForCausalLM"
-        qwen3 = arch == "Qwen3ForCausalLM"
+        qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         attention_bias = bool(data.get("attention_bias", False))
         sliding = data.get("sliding_window")
         if (qwen2 or qwen3) and not data.get("use_sliding_window", False):
@@ -200,17 +216,35 @@ class ModelConfig:
         )
 
 
-def _experts(arch: str, data: dict[str, Any], path: object) -> dict[str, int]:
-    """``num_experts`` and ``num_experts_per_tok`` of a mixture-of-experts config."""
-    if arch != "MixtralForCausalLM":
+def _experts(arch: str, data: dict[str, Any], path: object) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config (none otherwise)."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         return {}
-    experts, top_k = data.get("num_local_experts"), data.get("num_experts_per_tok")
+    mixtral = arch == "MixtralForCausalLM"
+    # Mixtral's configs say num_local_experts, Qwen3-MoE's num_experts (transformers 5
+    # writes num_local_experts for both): either is read.
+    key = next((k for k in ("num_local_experts", "num_experts") if k in data),
+               "num_local_experts" if mixtral else "num_experts")  # fmt: skip
+    experts, top_k = data.get(key), data.get("num_experts_per_tok")
     if not isinstance(experts, int) or not isinstance(top_k, int) or not 0 < top_k <= experts:
         raise ModelLoadError(
-            path, f"num_local_experts={experts!r} and num_experts_per_tok={top_k!r} must be "
-            "integers with 0 < num_experts_per_tok <= num_local_experts",
+            path, f"{key}={experts!r} and num_experts_per_tok={top_k!r} must be "
+            f"integers with 0 < num_experts_per_tok <= {key}",
         )  # fmt: skip
-    return {"num_experts": experts, "num_experts_per_tok": top_k}
+    layers = int(data["num_hidden_layers"])
+    if mixtral:
+        return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_style": "mixtral",
+                "sparse_layers": tuple(range(layers))}  # fmt: skip
+    step = int(data.get("decoder_sparse_step", 1) or 1)
+    dense = set(data.get("mlp_only_layers") or ())
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_style": "qwen3_moe",
+        "moe_intermediate_size": int(data.get("moe_intermediate_size") or 0),
+        "norm_topk_prob": bool(data.get("norm_topk_prob", False)),
+        "sparse_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+    }
 
 
 def _parse_rope(data: dict[str, Any], path: object) -> RopeConfig:

@@ -300,10 +300,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer, tp)
-        if config.num_experts:
+        if layer not in config.sparse_layers:
+            self.mlp = MLP(config, tp)
+        elif config.moe_style == "mixtral":
             self.block_sparse_moe = SparseMoE(config, tp)
         else:
-            self.mlp = MLP(config, tp)
+            self.add_module("mlp", SparseMoE(config, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._refs_cache: tuple[int, tuple[Any, ...]] | None = None
@@ -313,9 +315,10 @@ class DecoderLayer(nn.Module):
         if cache is not None and cache[0] == _ASSIGNMENTS[0]:
             return cache[1]
         norm, post = self.input_layernorm, self.post_attention_layernorm
-        moe = self._modules.get("block_sparse_moe")
+        mlp = self._modules.get("block_sparse_moe") or self._modules["mlp"]
+        assert isinstance(mlp, (MLP, SparseMoE))
         refs = (norm.weight, norm.eps, self.self_attn.refs(), post.weight, post.eps,
-                moe if moe is not None else self.mlp.refs())  # fmt: skip
+                mlp if isinstance(mlp, SparseMoE) else mlp.refs())  # fmt: skip
         self._refs_cache = (_ASSIGNMENTS[0], refs)
         return refs
 

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import InvalidConfigError
+from stages.model.moe import SparseMoE
 
 __all__ = [
     "ENV",
@@ -212,11 +213,12 @@ class KernelChoice:
 
 
 def _parents(model: nn.Module) -> Iterable[nn.Module]:
-    """The attention and MLP blocks of ``model``'s decoder layers."""
+    """The attention and MLP blocks of ``model``'s decoder layers (not a mixture of
+    experts: its router and experts stay as loaded)."""
     layers = getattr(getattr(model, "model", model), "layers", ())
     for layer in layers:
         for parent in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
-            if parent is not None:
+            if parent is not None and not isinstance(parent, SparseMoE):
                 yield parent
 
 

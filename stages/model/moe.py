@@ -1,10 +1,12 @@
-"""The mixture-of-experts MLP of Mixtral (``block_sparse_moe``), with HF's names.
+"""The mixture-of-experts MLP of Mixtral (``block_sparse_moe``) and Qwen3-MoE (``mlp``),
+with HF's names.
 
 A router (``gate``, one logit per expert) scores each token; the softmax of the scores
 (in float32) picks the ``num_experts_per_tok`` best experts, their weights renormalised
-to sum to one (as transformers' ``MixtralSparseMoeBlock``); each expert is a SwiGLU MLP
-(``w1`` gate, ``w3`` up, ``w2`` down) and the token's output is the weighted sum of its
-experts' outputs.
+to sum to one (always for Mixtral; Qwen3-MoE's ``norm_topk_prob``), as transformers
+computes them; each expert is a SwiGLU MLP (Mixtral's ``w1`` gate, ``w3`` up, ``w2``
+down; Qwen3-MoE's ``gate_proj``, ``up_proj``, ``down_proj``) and the token's output is the
+weighted sum of its experts' outputs.
 
 Computed grouped by expert, not token by token: the (token, expert) pairs are sorted by
 expert once, and each expert with tokens runs two GEMMs over all of its tokens (gate and
@@ -24,24 +26,40 @@ from torch import nn
 from stages.model.config import ModelConfig
 from stages.model.parallel import TensorParallel
 
-__all__ = ["SparseMoE"]
+__all__ = ["EXPERT_NAMES", "SparseMoE"]
+
+
+#: Each checkpoint family's names of an expert's gate, up and down projections.
+EXPERT_NAMES: dict[str, tuple[str, str, str]] = {
+    "mixtral": ("w1", "w3", "w2"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+}
 
 
 class _Expert(nn.Module):
-    """One expert's SwiGLU MLP (Mixtral's names: ``w1`` gate, ``w3`` up, ``w2`` down).
+    """One expert's SwiGLU MLP under its family's names (:data:`EXPERT_NAMES`).
 
-    After :meth:`SparseMoE.pack`, ``w13`` holds ``w1`` and ``w3`` as one matrix (their
+    After :meth:`SparseMoE.pack`, ``w13`` holds gate over up as one matrix (their
     parameters are views of its halves: no second copy), so gate and up are one GEMM.
     """
 
     w13: torch.Tensor | None
 
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, names: tuple[str, str, str]) -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden, inter, bias=False)
-        self.w2 = nn.Linear(inter, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, inter, bias=False)
+        gate, up, down = names
+        self.add_module(gate, nn.Linear(hidden, inter, bias=False))
+        self.add_module(up, nn.Linear(hidden, inter, bias=False))
+        self.add_module(down, nn.Linear(inter, hidden, bias=False))
+        self.names = names
         self.w13 = None
+
+    def parts(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        """The gate, up and down projections."""
+        gate, up, down = (self._modules[n] for n in self.names)
+        assert isinstance(gate, nn.Linear) and isinstance(up, nn.Linear)
+        assert isinstance(down, nn.Linear)
+        return gate, up, down
 
 
 class SparseMoE(nn.Module):
@@ -49,19 +67,21 @@ class SparseMoE(nn.Module):
 
     Args:
         config: The model's config (``num_experts``, ``num_experts_per_tok``).
-        tp: The tensor-parallel group; each expert holds ``intermediate_size //
+        tp: The tensor-parallel group; each expert holds ``expert_intermediate_size //
             tp.size`` of its intermediate width here.
     """
 
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         hidden = config.hidden_size
-        inter = config.intermediate_size // tp.size
+        inter = config.expert_intermediate_size // tp.size
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
         self.tp = tp
         self.gate = nn.Linear(hidden, self.num_experts, bias=False)
-        self.experts = nn.ModuleList(_Expert(hidden, inter) for _ in range(self.num_experts))
+        names = EXPERT_NAMES[config.moe_style]
+        self.experts = nn.ModuleList(_Expert(hidden, inter, names) for _ in range(self.num_experts))
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pack(self) -> None:
@@ -74,14 +94,15 @@ class SparseMoE(nn.Module):
         layer at one token, fp32, 8 experts of 704.) Call once the weights are loaded;
         assigning an expert's weights again undoes it."""
         experts = [e for e in self.experts if isinstance(e, _Expert)]
-        w13 = torch.stack([torch.cat([e.w1.weight.detach(), e.w3.weight.detach()])
-                           for e in experts])  # fmt: skip
-        w2 = torch.stack([e.w2.weight.detach() for e in experts])
+        parts = [e.parts() for e in experts]
+        w13 = torch.stack([torch.cat([g.weight.detach(), u.weight.detach()])
+                           for g, u, _ in parts])  # fmt: skip
+        w2 = torch.stack([d.weight.detach() for _, _, d in parts])
         inter = w2.shape[-1]
-        for i, e in enumerate(experts):
-            e.w1.weight = nn.Parameter(w13[i, :inter], requires_grad=False)
-            e.w3.weight = nn.Parameter(w13[i, inter:], requires_grad=False)
-            e.w2.weight = nn.Parameter(w2[i], requires_grad=False)
+        for i, (e, (gate, up, down)) in enumerate(zip(experts, parts, strict=True)):
+            gate.weight = nn.Parameter(w13[i, :inter], requires_grad=False)
+            up.weight = nn.Parameter(w13[i, inter:], requires_grad=False)
+            down.weight = nn.Parameter(w2[i], requires_grad=False)
             e.w13 = w13[i]
         self._stacked = (w13, w2)
 
@@ -92,7 +113,7 @@ class SparseMoE(nn.Module):
             return None
         first = self.experts[0]
         assert isinstance(first, _Expert)
-        if first.w1.weight.data_ptr() != stacked[0].data_ptr():
+        if first.parts()[0].weight.data_ptr() != stacked[0].data_ptr():
             return None
         return stacked
 
@@ -100,7 +121,9 @@ class SparseMoE(nn.Module):
         """The block's output for ``x [T, hidden]``, plus ``residual`` when given."""
         scores = F.linear(x, self.gate.weight).softmax(dim=-1, dtype=torch.float32)
         weights, chosen = scores.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype).reshape(-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype).reshape(-1)
         pairs = chosen.reshape(-1)
         order = pairs.argsort(stable=True)
         counts = torch.bincount(pairs, minlength=self.num_experts).tolist()
@@ -116,12 +139,13 @@ class SparseMoE(nn.Module):
             h = x.index_select(0, rows)
             e = self.experts[expert]
             assert isinstance(e, _Expert)
+            gate_p, up_p, down_p = e.parts()
             if stacked is not None and e.w13 is not None:
                 gate, up = F.linear(h, e.w13).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate).mul_(up), e.w2.weight)
+                y = F.linear(F.silu(gate).mul_(up), down_p.weight)
             else:
-                y = F.linear(F.silu(F.linear(h, e.w1.weight)) * F.linear(h, e.w3.weight),
-                             e.w2.weight)  # fmt: skip
+                y = F.linear(F.silu(F.linear(h, gate_p.weight)) * F.linear(h, up_p.weight),
+                             down_p.weight)  # fmt: skip
             out.index_add_(0, rows, y * weights.index_select(0, mine)[:, None])
         return self._finish(out, residual)
 

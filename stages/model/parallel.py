@@ -201,7 +201,7 @@ def check_tp_divisible(config: ModelConfig, size: int) -> None:
             its value.
     """
     check_int("world_size", size, InvalidConfigError, lo=1)
-    for field in ("num_attention_heads", "intermediate_size"):
+    for field in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
         value = getattr(config, field)
         if value % size:
             raise InvalidConfigError(
@@ -245,15 +245,16 @@ def shard_slice(
         start, end = kv_head_range(config, tp)
         full_kv = config.num_key_value_heads * config.head_dim
         return dim, start * config.head_dim, (end - start) * config.head_dim, full_kv
+    inter = config.expert_intermediate_size if ".experts." in name else config.intermediate_size
     full = {
         "q_proj": config.num_attention_heads * config.head_dim,
         "o_proj": config.num_attention_heads * config.head_dim,
-        "gate_proj": config.intermediate_size,
-        "up_proj": config.intermediate_size,
-        "down_proj": config.intermediate_size,
-        "w1": config.intermediate_size,
-        "w2": config.intermediate_size,
-        "w3": config.intermediate_size,
+        "gate_proj": inter,
+        "up_proj": inter,
+        "down_proj": inter,
+        "w1": inter,
+        "w2": inter,
+        "w3": inter,
         "lm_head": config.vocab_size,
     }[module]
     length = full // tp.size

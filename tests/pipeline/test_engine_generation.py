@@ -39,7 +39,9 @@ def _hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[li
 
 
 class TestGreedyMatchesTransformers:
-    @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral"])
+    @pytest.mark.parametrize(
+        "kind", ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"]
+    )
     def test_batched_chunked_greedy_equals_hf(
         self, kind: str, tiny_checkpoints: dict[str, Path], leak_check
     ) -> None:

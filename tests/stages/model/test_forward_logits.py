@@ -61,6 +61,8 @@ class TestLogitsMatchTransformers:
             "qwen3_tied_bias",
             "phi3",
             "mixtral",
+            "qwen3_moe",
+            "qwen3_moe_norm",
         ],
     )
     def test_architectures(self, hf_checkpoint: HFGet, step_driver: Any, variant: str) -> None:

@@ -14,7 +14,8 @@ from stages.model.parallel import UNSHARDED
 CONFIG = ModelConfig(architecture="MixtralForCausalLM", vocab_size=16, hidden_size=32,
                      intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8, num_experts=6,
-                     num_experts_per_tok=2)  # fmt: skip
+                     num_experts_per_tok=2, moe_style="mixtral",
+                     sparse_layers=(0,))  # fmt: skip
 
 
 def _moe(seed: int = 0) -> SparseMoE:

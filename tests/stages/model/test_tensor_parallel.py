@@ -40,6 +40,7 @@ CASES = [
     ("qwen3", 2),
     ("phi3", 2),
     ("mixtral", 2),
+    ("qwen3_moe", 2),
     ("llama_bias", 2),
     ("llama_bias", 4),
 ]
@@ -67,6 +68,7 @@ def tp_checkpoints(
         "qwen3": tiny_checkpoints["qwen3"],
         "phi3": tiny_checkpoints["phi3"],
         "mixtral": tiny_checkpoints["mixtral"],
+        "qwen3_moe": tiny_checkpoints["qwen3_moe"],
         "llama_bias": bias,
     }
 
