@@ -111,6 +111,18 @@ class TestModelConfig:
         cfg = ModelConfig.from_hf_dict(good)
         assert (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
 
+    def test_qwen3_moe_sparse_layers(self) -> None:
+        """decoder_sparse_step and mlp_only_layers pick the mixture layers; either
+        spelling of the expert count is read."""
+        data = _llama_dict(architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=6,
+                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                           decoder_sparse_step=2, mlp_only_layers=[3])  # fmt: skip
+        cfg = ModelConfig.from_hf_dict(data)
+        assert cfg.sparse_layers == (1, 5) and cfg.moe_style == "qwen3_moe"
+        assert cfg.expert_intermediate_size == 24 and not cfg.norm_topk_prob and cfg.qk_norm
+        data["num_local_experts"] = data.pop("num_experts")
+        assert ModelConfig.from_hf_dict(data).num_experts == 8
+
     @pytest.mark.parametrize(
         ("fields", "match"),
         [
