@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import InvalidConfigError
-from stages.model.moe import SparseMoE
+from stages.model.moe import Expert, SparseMoE
 
 __all__ = [
     "ENV",
@@ -320,7 +320,8 @@ def apply_kernel(model: nn.Module, kernel: str) -> int:
     ``"mkl"`` changes nothing. ``"onednn"`` packs each attention's ``q/k/v`` and each
     MLP's ``gate/up`` as one :class:`FusedPackedLinear` (``qkv_proj``, ``gate_up_proj``;
     the original names become :class:`PackedPart` views) and replaces every other plain
-    projection by a :class:`PackedLinear`; the loaded weights are released.
+    projection by a :class:`PackedLinear`, each expert of a mixture likewise (its gate/up
+    as ``gate_up``); the loaded weights are released.
     Call before the first forward pass (the layers take their projections then).
     """
     if kernel == "mkl":
@@ -334,5 +335,26 @@ def apply_kernel(model: nn.Module, kernel: str) -> int:
             if type(child) is nn.Linear:
                 setattr(parent, name, PackedLinear(child))
                 changed += 1
+    for moe in [m for m in model.modules() if isinstance(m, SparseMoE)]:
+        changed += _pack_experts(moe)
     forget_references(model)
+    return changed
+
+
+def _pack_experts(moe: SparseMoE) -> int:
+    """Each expert of ``moe`` on oneDNN: gate and up as one :class:`FusedPackedLinear`
+    (``gate_up``; the original names become :class:`PackedPart` views), down as a
+    :class:`PackedLinear`; the stacked weights are released. The router stays."""
+    changed = 0
+    for expert in moe.experts:
+        assert isinstance(expert, Expert)
+        gate, up, down = expert.parts()
+        gate_name, up_name, down_name = expert.names
+        fused = FusedPackedLinear([gate, up])
+        expert.add_module("gate_up", fused)
+        setattr(expert, gate_name, PackedPart(fused, 0))
+        setattr(expert, up_name, PackedPart(fused, 1))
+        setattr(expert, down_name, PackedLinear(down))
+        changed += 3
+    moe.unstack()
     return changed

@@ -26,7 +26,7 @@ from torch import nn
 from stages.model.config import ModelConfig
 from stages.model.parallel import TensorParallel
 
-__all__ = ["EXPERT_NAMES", "SparseMoE"]
+__all__ = ["EXPERT_NAMES", "Expert", "SparseMoE"]
 
 
 #: Each checkpoint family's names of an expert's gate, up and down projections.
@@ -36,7 +36,7 @@ EXPERT_NAMES: dict[str, tuple[str, str, str]] = {
 }
 
 
-class _Expert(nn.Module):
+class Expert(nn.Module):
     """One expert's SwiGLU MLP under its family's names (:data:`EXPERT_NAMES`).
 
     After :meth:`SparseMoE.pack`, ``w13`` holds gate over up as one matrix (their
@@ -44,6 +44,7 @@ class _Expert(nn.Module):
     """
 
     w13: torch.Tensor | None
+    names: tuple[str, str, str]
 
     def __init__(self, hidden: int, inter: int, names: tuple[str, str, str]) -> None:
         super().__init__()
@@ -55,7 +56,8 @@ class _Expert(nn.Module):
         self.w13 = None
 
     def parts(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
-        """The gate, up and down projections."""
+        """The gate, up and down projections (plain ones: before a kernel repacked
+        them)."""
         gate, up, down = (self._modules[n] for n in self.names)
         assert isinstance(gate, nn.Linear) and isinstance(up, nn.Linear)
         assert isinstance(down, nn.Linear)
@@ -81,7 +83,7 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.gate = nn.Linear(hidden, self.num_experts, bias=False)
         names = EXPERT_NAMES[config.moe_style]
-        self.experts = nn.ModuleList(_Expert(hidden, inter, names) for _ in range(self.num_experts))
+        self.experts = nn.ModuleList(Expert(hidden, inter, names) for _ in range(self.num_experts))
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pack(self) -> None:
@@ -93,7 +95,7 @@ class SparseMoE(nn.Module):
         reads every expert's weights, not only the routed ones': 841 vs 311 us per
         layer at one token, fp32, 8 experts of 704.) Call once the weights are loaded;
         assigning an expert's weights again undoes it."""
-        experts = [e for e in self.experts if isinstance(e, _Expert)]
+        experts = [e for e in self.experts if isinstance(e, Expert)]
         parts = [e.parts() for e in experts]
         w13 = torch.stack([torch.cat([g.weight.detach(), u.weight.detach()])
                            for g, u, _ in parts])  # fmt: skip
@@ -106,13 +108,21 @@ class SparseMoE(nn.Module):
             e.w13 = w13[i]
         self._stacked = (w13, w2)
 
+    def unstack(self) -> None:
+        """Forget the stacked weights (the experts' projections were repacked: a kernel's
+        ``gate_up`` module runs them)."""
+        self._stacked = None
+        for e in self.experts:
+            assert isinstance(e, Expert)
+            e.w13 = None
+
     def _packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stacked weights, while every expert's parameters are still their views."""
         stacked = self._stacked
         if stacked is None:
             return None
         first = self.experts[0]
-        assert isinstance(first, _Expert)
+        assert isinstance(first, Expert)
         if first.parts()[0].weight.data_ptr() != stacked[0].data_ptr():
             return None
         return stacked
@@ -138,7 +148,13 @@ class SparseMoE(nn.Module):
             rows = mine // self.top_k
             h = x.index_select(0, rows)
             e = self.experts[expert]
-            assert isinstance(e, _Expert)
+            assert isinstance(e, Expert)
+            kernel, down = e._modules.get("gate_up"), e._modules.get(e.names[2])
+            if kernel is not None and down is not None:  # repacked by a kernel (oneDNN)
+                gate, up = kernel(h).chunk(2, dim=-1)
+                y = down(F.silu(gate).mul_(up))
+                out.index_add_(0, rows, y * weights.index_select(0, mine)[:, None])
+                continue
             gate_p, up_p, down_p = e.parts()
             if stacked is not None and e.w13 is not None:
                 gate, up = F.linear(h, e.w13).chunk(2, dim=-1)

@@ -108,6 +108,38 @@ class TestFusedProjections:
             runner.close()
 
 
+@ONEDNN
+def test_onednn_packs_each_expert_once(hf_checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixture's experts: gate/up one GEMM (the old names parts of it), down packed
+    alone, no plain linear left but the router, the stacked weights released, and the
+    block's output unchanged."""
+    from stages.model.moe import Expert, SparseMoE
+
+    monkeypatch.setenv(lk.ENV, "mkl")
+    runner = ModelRunner.load(str(hf_checkpoint("mixtral")[1]), dtype="float32", device="cpu",
+                              num_blocks=8)  # fmt: skip
+    try:
+        moe = runner.model.model.layers[0].block_sparse_moe
+        assert isinstance(moe, SparseMoE)
+        x = torch.randn(5, moe.gate.in_features)
+        with torch.inference_mode():
+            before = moe(x)
+        experts = sum(e.parts()[0].weight.numel() * 3 for e in moe.experts)
+        lk.apply_kernel(runner.model, "onednn")
+        for e in moe.experts:
+            assert isinstance(e, Expert) and isinstance(e.gate_up, lk.FusedPackedLinear)
+            assert isinstance(e.w1, lk.PackedPart) and isinstance(e.w3, lk.PackedPart)
+            assert isinstance(e.w2, lk.PackedLinear) and e.w13 is None
+            assert not any(type(m) is nn.Linear for m in e.modules())
+        assert moe._stacked is None and type(moe.gate) is nn.Linear
+        packed = sum(m.packed.numel() for m in moe.modules() if hasattr(m, "packed"))
+        assert packed == experts
+        with torch.inference_mode():
+            torch.testing.assert_close(moe(x), before, rtol=1e-4, atol=1e-5)
+    finally:
+        runner.close()
+
+
 class TestChoice:
     def test_forced_by_the_environment(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """KVSTEP_LINEAR_KERNEL names the kernel; no timing is done."""
