@@ -99,12 +99,14 @@ class TestGreedyMatchesTransformers:
 
 
 class TestMixtureOfExperts:
+    @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
     def test_prefix_cache_preemption_and_two_worker_processes(
-        self, tiny_checkpoints: dict[str, Path], leak_check
+        self, kind: str, tiny_checkpoints: dict[str, Path], leak_check
     ) -> None:
-        """Mixtral's tokens stay transformers' with prefix-cache hits, under block
-        pressure (preemption) and split over two worker processes (experts sharded)."""
-        path = tiny_checkpoints["mixtral"]
+        """A mixture of experts' tokens stay transformers' with prefix-cache hits, under
+        block pressure (preemption) and split over two worker processes (experts
+        sharded)."""
+        path = tiny_checkpoints[kind]
         prompts = _prompts(256)[2:6]
         expected = _hf_greedy(path, prompts, NEW_TOKENS)
         params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
