@@ -567,11 +567,14 @@ class DraftsProposed:
         without_drafts: Requests seen decoding for the first time that get no drafts,
             by reason (:func:`~stages.speculative.no_drafts_reason`); each request is
             counted once.
+        proposer_failures: Proposer calls that raised this step (their requests went
+            on without drafts).
     """
 
     num_requests: int = 0
     num_draft_tokens: int = 0
     without_drafts: Mapping[str, int] = attrs.field(factory=dict)
+    proposer_failures: int = 0
 
 
 @attrs.frozen(kw_only=True)

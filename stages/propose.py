@@ -52,7 +52,7 @@ class ProposeStage:
     proposer: Proposer | BatchProposer
     budget: DraftBudget
     _counted: set[str] = attrs.field(factory=set, init=False)  # requests without drafts
-    _warned: set[str] = attrs.field(factory=set, init=False)  # reasons
+    _warned: set[str] = attrs.field(factory=set, init=False)  # reasons, failure types
 
     def _limit(self, request: Request, seen: list[str], without: dict[str, int]) -> int:
         """How many drafts ``request`` may get now (0: none)."""
@@ -76,6 +76,7 @@ class ProposeStage:
         self.budget.observe(self.scheduler.step_draft_outcomes)
         seen: list[str] = []
         without: dict[str, int] = {}
+        failures: list[str] = []
         proposer = self.proposer
         if isinstance(proposer, BatchProposer):
             wanted: dict[str, tuple[list[int], int]] = {}
@@ -87,8 +88,14 @@ class ProposeStage:
                 return []
 
             self.scheduler.propose_drafts(collect)
-            drafts = await anyio.to_thread.run_sync(proposer.propose_batch, wanted)
-            proposer.retain(seen)
+            drafts: dict[str, list[int]] = {}
+            try:
+                if wanted:
+                    drafts = await anyio.to_thread.run_sync(proposer.propose_batch, wanted)
+                proposer.retain(seen)
+            except Exception as exc:  # drafts are optional: the step goes on without
+                failures.append(self._failed(exc))
+                drafts = {}
             given = self.scheduler.propose_drafts(lambda r: drafts.get(r.request_id, []))
             drafted = sum(1 for d in drafts.values() if d)
         else:
@@ -96,7 +103,11 @@ class ProposeStage:
 
             def propose(request: Request) -> list[int]:
                 limit = self._limit(request, seen, without)
-                out = proposer.propose(request.all_token_ids, limit) if limit else []
+                try:
+                    out = proposer.propose(request.all_token_ids, limit) if limit else []
+                except Exception as exc:  # this request goes on without drafts
+                    failures.append(self._failed(exc))
+                    return []
                 counts[0] += bool(out)
                 return out
 
@@ -112,4 +123,15 @@ class ProposeStage:
             num_requests=drafted,
             num_draft_tokens=given,
             without_drafts=without,
+            proposer_failures=len(failures),
         )
+
+    def _failed(self, exc: Exception) -> str:
+        """Log a proposer's failure (at error level the first time its type occurs, at
+        debug level after) and return its short form; its requests get no drafts."""
+        kind = type(exc).__name__
+        level = log.debug if f"failure:{kind}" in self._warned else log.error
+        self._warned.add(f"failure:{kind}")
+        level("speculative decoding: the proposer failed; no drafts this step",
+              error=repr(exc), counted_in="kvstep_spec_decode_proposer_failures_total")  # fmt: skip
+        return kind

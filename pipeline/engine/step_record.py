@@ -53,10 +53,14 @@ def record_engine_step(step_log: StepLog, ctx: StepContext) -> None:
 
 def _without_drafts(proposed: DraftsProposed | None) -> dict[str, Any]:
     """``{"spec_without_drafts": {reason: requests}}`` when requests started decoding
-    without drafts in this step, else nothing (``/metrics`` adds them up)."""
-    if proposed is None or not proposed.without_drafts:
-        return {}
-    return {"spec_without_drafts": dict(sorted(proposed.without_drafts.items()))}
+    without drafts in this step, and ``spec_proposer_failures`` when the proposer raised;
+    else nothing (``/metrics`` adds them up)."""
+    fields: dict[str, Any] = {}
+    if proposed is not None and proposed.without_drafts:
+        fields["spec_without_drafts"] = dict(sorted(proposed.without_drafts.items()))
+    if proposed is not None and proposed.proposer_failures:
+        fields["spec_proposer_failures"] = proposed.proposer_failures
+    return fields
 
 
 def _spec_decode(out: EngineStepOutput | None) -> dict[str, Any]:

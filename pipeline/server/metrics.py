@@ -266,6 +266,11 @@ class ServerMetrics:
             ["reason"],
             registry=reg,
         )
+        self.spec_proposer_failures = Counter(
+            "kvstep_spec_decode_proposer_failures",
+            "Speculative proposer calls that raised (their requests went on without drafts)",
+            registry=reg,
+        )
         self.loop_lag_max = Gauge(
             "kvstep_event_loop_lag_max_seconds", "Largest event-loop lag seen", registry=reg
         )
@@ -298,6 +303,7 @@ class ServerMetrics:
                 self.spec_accepted_per_pos.labels(str(position)).inc(int(kept))
         for reason, requests in (fields.get("spec_without_drafts") or {}).items():
             self.spec_without_drafts.labels(str(reason)).inc(int(requests))
+        self.spec_proposer_failures.inc(int(fields.get("spec_proposer_failures") or 0))
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Account a request's last output as the route receives it: its finish reason

@@ -14,6 +14,7 @@ import pytest
 
 from pipeline import LLM, EngineConfig, SamplingParams
 from pipeline.errors import InvalidConfigError
+from pipeline.steplog_tools.summary import load_step_log
 from stages.propose import ProposeStage
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -183,6 +184,53 @@ class TestBudget:
             drafted, kept = llm.engine.core.scheduler.spec_decode_counts
         assert tuple(out.token_ids) == plain
         assert kept == 0 and 0 < drafted <= 12, drafted  # 3, 1, then 1 per pause of 2, 4, 8, 16
+
+
+class TestProposerFailures:
+    @pytest.mark.parametrize("batch", [False, True])
+    def test_a_raising_proposer_costs_drafts_not_requests(
+        self, tmp_path: Path, batch: bool, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A proposer that raises on some calls: every request still gets the tokens of
+        decoding without speculation, the failures are in the step log, and the first
+        one is logged at error level."""
+        prompts = _prompts()
+        plain, _ = _run(prompts, GREEDY)
+        calls = [0]
+
+        class Flaky:
+            k = 3
+
+            def propose(self, token_ids: Any, k: int | None = None) -> list[int]:
+                calls[0] += 1
+                if calls[0] % 3 == 0:
+                    raise RuntimeError("proposer broke")
+                return list(token_ids[-2:])[: k or 3]
+
+            def propose_batch(self, requests: Any) -> dict[str, list[int]]:
+                return {r: self.propose(t, k) for r, (t, k) in requests.items()}
+
+            def retain(self, live: Any) -> None:
+                pass
+
+        proposer: Any = Flaky()
+        if not batch:
+            del Flaky.propose_batch, Flaky.retain
+        path = tmp_path / "steps.jsonl"
+        config = EngineConfig(model="builtin:tiny", speculative_config=NGRAM, step_log=path)
+        with caplog.at_level("DEBUG", logger="kvstep"), LLM(config) as llm:
+            stage = next(
+                s for s in llm.engine.core.engine_graph.stages if isinstance(s, ProposeStage)
+            )
+            object.__setattr__(stage, "proposer", proposer)
+            outs = llm.generate(prompts, GREEDY)
+        assert [tuple(o.token_ids) for o in outs] == plain
+        assert all(o.finish_reason == "length" for o in outs)
+        failed = sum(r.get("spec_proposer_failures", 0) for r in load_step_log(path))
+        assert failed > 0
+        errors = [r for r in caplog.records if "proposer failed" in r.getMessage()]
+        assert errors and errors[0].levelname == "ERROR"
+        assert all(r.levelname == "DEBUG" for r in errors[1:])
 
 
 class TestOutputs:
