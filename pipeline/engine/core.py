@@ -39,6 +39,7 @@ from stages.fail_step import step_error
 from stages.fan_in import FanInAggregator
 from stages.graphs import default_engine_graph
 from stages.model.builtin import tokenizer_dir
+from stages.model.compute_thread import Compute
 from stages.schedule import StepLink
 from stages.scheduler.scheduler import Scheduler
 from stages.speculative import NgramProposer
@@ -98,7 +99,12 @@ class EngineCore:
             self.scheduler = Scheduler.from_config(
                 config, num_blocks=num_blocks, connector=self.connector
             )
-            self.proposer = _proposer(config, self.model_config.vocab_size, num_blocks)
+            self.proposer = _proposer(
+                config,
+                self.model_config.vocab_size,
+                num_blocks,
+                compute=getattr(self.workers[0].runner, "compute", None) if self.workers else None,
+            )
         except BaseException:
             self._abandon()
             raise
@@ -409,11 +415,12 @@ class EngineCore:
 
 
 def _proposer(
-    config: EngineConfig, vocab_size: int, num_blocks: int
+    config: EngineConfig, vocab_size: int, num_blocks: int, *, compute: Compute | None = None
 ) -> NgramProposer | DraftModelProposer | None:
     """The drafts' proposer of ``config.speculative_config`` (``None``: off); a draft
     model is loaded with the target's settings and as many KV blocks (``num_blocks``),
-    and must have its vocabulary (``vocab_size``)."""
+    must have its vocabulary (``vocab_size``), and runs on ``compute`` (rank 0's compute
+    thread when the target runs in this process)."""
     spec = config.speculative
     if spec is None:
         return None
@@ -424,6 +431,7 @@ def _proposer(
             spec.num_speculative_tokens,
             vocab_size=vocab_size,
             num_blocks=num_blocks,
+            compute=compute,
             dtype=config.dtype,
             device=config.device,
             block_size=config.block_size,

@@ -56,9 +56,12 @@ class ModelRunner:
     are read-only.
     """
 
-    def __init__(self, parts: RunnerParts, *, compute: Compute | None = None) -> None:
+    def __init__(
+        self, parts: RunnerParts, *, compute: Compute | None = None, owns_compute: bool = True
+    ) -> None:
         settings, loaded, tp = parts.settings, parts.loaded, parts.tp
         self.compute = compute or _compute(settings, parts.rank)
+        self._owns_compute = owns_compute or compute is None
         self.settings = settings
         self._loaded = loaded
         self.model: CausalLM = loaded.model
@@ -121,6 +124,7 @@ class ModelRunner:
         rank: int = 0,
         shared_model: ModelRunner | None = None,
         tp: TensorParallel | None = None,
+        compute: Compute | None = None,
         **options: Any,
     ) -> ModelRunner:
         """Load ``settings.model`` as rank ``rank`` and allocate its KV cache.
@@ -135,7 +139,10 @@ class ModelRunner:
         here); the loading and the cache allocation run on the new runner's compute
         thread, which then runs every forward pass and sample (with
         ``settings.inline_forward``: on the calling thread, and the passes on the thread
-        that awaits the forward stage, the event loop's).
+        that awaits the forward stage, the event loop's). ``compute``: run on that
+        existing compute thread instead of a new one (another runner's: CPU torch work
+        on a second thread of a process slows the first thread's ops, see
+        :mod:`~stages.model.compute_thread`); the runner then does not close it.
 
         Raises:
             InvalidConfigError: A bad option (see :class:`RunnerSettings`) or argument.
@@ -147,16 +154,18 @@ class ModelRunner:
         elif options:
             raise TypeError(f"options {sorted(options)} belong in the RunnerSettings")
         shared = None if shared_model is None else shared_model._shared_weights()
-        compute = _compute(settings, rank)
+        owned = compute is None
+        run_on = _compute(settings, rank) if compute is None else compute
 
         def build() -> ModelRunner:
             parts = load_parts(settings, rank=rank, shared_model=shared, tp=tp)
-            return cls(parts, compute=compute)
+            return cls(parts, compute=run_on, owns_compute=owned)
 
         try:
-            return compute.call(build)
+            return run_on.call(build)
         except BaseException:
-            compute.close()
+            if owned:
+                run_on.close()
             raise
 
     def _shared_weights(self) -> SharedWeights:
@@ -318,4 +327,5 @@ class ModelRunner:
         self._sampling.clear()
         self._graphs = None  # they hold the cache
         self.kv_caches = []
-        self.compute.close()
+        if self._owns_compute:
+            self.compute.close()

@@ -7,15 +7,19 @@ target kept since the last step) gives the first draft, and each further single-
 pass over the latest draft gives the next one, up to the request's limit.
 
 The draft runs in the engine's process on its own
-:class:`~stages.model.runner.ModelRunner` (its own compute thread and paged KV cache,
-with as many blocks as the target's), loaded with the target's dtype, device, block size
-and ``max_model_len``. Its block tables are its own: a request's blocks are taken from a
-free list as its tokens grow and given back when it stops decoding. Its KV follows the
-request: after the target rejected some drafts, the draft's KV of those positions is
-simply computed again (the first mismatching token on), never trusted.
+:class:`~stages.model.runner.ModelRunner` (its own paged KV cache, with as many blocks
+as the target's), loaded with the target's dtype, device, block size and
+``max_model_len``, on the target's compute thread when the target runs in the engine's
+process (a second thread doing torch work slowed the target's decode 2.8x here: 65 vs
+180 tok/s, the target as its own draft) and on a compute thread of its own otherwise.
 
-Load it with :meth:`DraftModelProposer.load`; :meth:`propose_batch` blocks (the
-``propose`` stage runs it off the event loop); :meth:`close` stops its runner.
+Its block tables are its own: a request's blocks are taken from a free list as its
+tokens grow and given back when it stops decoding. Its KV follows the request: after the
+target rejected some drafts, the draft's KV of those positions is simply computed again
+(the first mismatching token on), never trusted.
+
+Load it with :meth:`DraftModelProposer.load`; :meth:`propose_batch` blocks (the ``propose`` stage
+runs it off the event loop); :meth:`close` stops its runner.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import attrs
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput
 from pipeline.errors import InvalidConfigError
 from pipeline.sampling_params import SamplingParams
+from stages.model.compute_thread import Compute
 from stages.model.runner import ModelRunner
 
 __all__ = ["DraftModelProposer"]
@@ -78,16 +83,24 @@ class DraftModelProposer:
 
     @classmethod
     def load(
-        cls, model: str, k: int, *, vocab_size: int, num_blocks: int, **settings: Any
+        cls,
+        model: str,
+        k: int,
+        *,
+        vocab_size: int,
+        num_blocks: int,
+        compute: Compute | None = None,
+        **settings: Any,
     ) -> DraftModelProposer:
         """Load the draft ``model`` with the runner ``settings`` of the target (dtype,
-        device, block size, ``max_model_len``, seed) and ``num_blocks`` KV blocks.
+        device, block size, ``max_model_len``, seed) and ``num_blocks`` KV blocks, on
+        ``compute`` (the target's compute thread) when given.
 
         Raises:
             InvalidConfigError: The draft's vocabulary is not the target's
                 (``vocab_size``), or the model does not load.
         """
-        runner = ModelRunner.load(model, num_blocks=num_blocks, **settings)
+        runner = ModelRunner.load(model, num_blocks=num_blocks, compute=compute, **settings)
         if runner.model_config.vocab_size != vocab_size:
             runner.close()
             raise InvalidConfigError(

@@ -105,6 +105,18 @@ class TestTokens:
         assert [tuple(o.token_ids) for o in outs] == plain
         assert sum(o.num_cached_tokens for o in outs) >= 16 * len(prompts)
 
+    def test_in_process_the_draft_runs_on_the_targets_compute_thread(self) -> None:
+        """One thread for all torch work of the process (a second one slows the first's
+        ops), and closing the draft leaves the target's thread to the target."""
+        config = EngineConfig(model="builtin:tiny", speculative_config=_draft("builtin:tiny"))
+        with LLM(config) as llm:
+            core = llm.engine.core
+            stage = next(s for s in core.engine_graph.stages if isinstance(s, ProposeStage))
+            proposer = stage.proposer
+            assert isinstance(proposer, DraftModelProposer)
+            assert proposer.runner.compute is core.workers[0].runner.compute
+            llm.generate(_prompts(512), GREEDY)
+
 
 class TestProposer:
     def test_rejected_drafts_are_computed_again(self) -> None:
