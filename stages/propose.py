@@ -4,7 +4,7 @@ The engine graph of an engine with ``speculative_config`` is
 ``schedule → execute → fan_in → update → propose ⟂ fail_step``: once the step's tokens
 are applied, each running request that speculates
 (:func:`~stages.speculative.speculates`: nothing but temperature, top-k/p and
-min-p processing its logits, no logprobs) and
+min-p processing its logits) and
 whose next step is a decode gets drafts from the proposer: up to its budget
 (:class:`~stages.speculative.budget.DraftBudget`: ``num_speculative_tokens`` at first,
 then one more than it kept last time, none for a while after misses), fewer when its

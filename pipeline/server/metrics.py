@@ -262,7 +262,7 @@ class ServerMetrics:
         self.spec_without_drafts = Counter(
             "kvstep_spec_decode_requests_without_drafts",
             "Requests that decoded without speculative drafts, by reason (logits_adjusted, "
-            "structured_outputs, logprobs)",
+            "structured_outputs)",
             ["reason"],
             registry=reg,
         )

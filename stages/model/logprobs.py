@@ -18,7 +18,7 @@ from typing import NamedTuple
 import attrs
 import torch
 
-from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
+from pipeline.artifacts import ModelOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from pipeline.errors import short_repr
 from pipeline.logger import get_logger
 from pipeline.logprobs import TokenLogprob
@@ -168,13 +168,45 @@ def _batched(
     return out
 
 
+def _with_draft_rows(
+    model_output: ModelOutput,
+    by_id: dict[str, ScheduledRequest],
+    asks: list[LogprobRequest],
+) -> tuple[torch.Tensor, list[LogprobRequest]]:
+    """The rows that score each asking request's tokens, one request after another: its
+    sampled row, then the rows of its kept drafts (speculative decoding: draft ``i``'s
+    row scores the token after it), and the requests pointing into them."""
+    draft_start: dict[str, int] = {}
+    at = 0
+    for req_id in model_output.draft_req_ids:
+        draft_start[req_id] = at
+        at += len(by_id[req_id].draft_token_ids)
+    drafts = model_output.draft_logits
+    pieces: list[torch.Tensor] = []
+    moved: list[LogprobRequest] = []
+    start = 0
+    for ask in asks:
+        pieces.append(model_output.logits[ask.start : ask.start + 1])
+        extra = len(ask.token_ids) - 1
+        if extra:
+            if drafts is None or ask.req_id not in draft_start:
+                raise ValueError(f"{ask.req_id}: {extra + 1} tokens without draft rows")
+            first = draft_start[ask.req_id]
+            pieces.append(drafts[first : first + extra])
+        moved.append(ask._replace(start=start))
+        start += extra + 1
+    return torch.cat(pieces), moved
+
+
 def add_logprobs(
     sampled: SampledTokens, scheduler_output: SchedulerOutput, model_output: ModelOutput
 ) -> SampledTokens:
     """``sampled`` with the logprobs of the requests of this step that asked.
 
     Sampled tokens: each row of ``model_output.logits`` whose request set
-    ``SamplingParams.logprobs`` and got a token scores that token. Prompt targets:
+    ``SamplingParams.logprobs`` and got a token scores that token; a request that kept
+    speculative drafts has its later tokens scored by its draft rows
+    (``model_output.draft_logits``). Prompt targets:
     ``model_output.prompt_logits`` holds, request after request of
     ``model_output.prompt_req_ids``, one row per ``prompt_logprob_targets``. A request
     whose logprobs cannot be computed is moved from ``token_ids`` to ``errors`` (it
@@ -186,7 +218,10 @@ def add_logprobs(
         for row, req_id in enumerate(model_output.req_ids)
         if req_id in sampled.token_ids and (k := by_id[req_id].sampling.logprobs) is not None
     ]
-    token_lps = request_logprobs(model_output.logits, asks)
+    logits = model_output.logits
+    if any(len(a.token_ids) > 1 for a in asks):  # kept drafts: their rows follow
+        logits, asks = _with_draft_rows(model_output, by_id, asks)
+    token_lps = request_logprobs(logits, asks)
     prompt_asks: list[LogprobRequest] = []
     start = 0
     for req_id in model_output.prompt_req_ids:

@@ -113,21 +113,19 @@ def no_drafts_reason(params: SamplingParams) -> str | None:
     """Why a request with these parameters gets no drafts, or ``None`` when it does
     (:func:`speculates`): ``"logits_adjusted"`` (penalties, ``logit_bias`` or
     ``min_tokens``: each draft position would need them applied over the drafts before
-    it), ``"structured_outputs"`` (drafts are not checked against a grammar yet) or
-    ``"logprobs"`` (not computed for kept drafts yet)."""
+    it) or ``"structured_outputs"`` (drafts are not checked against a grammar yet)."""
     if params.adjusts_logits:
         return "logits_adjusted"
     if params.structured_outputs is not None:
         return "structured_outputs"
-    if params.logprobs is not None:
-        return "logprobs"
     return None
 
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request with these parameters gets drafts: nothing processes its logits
     beyond temperature, top-k, top-p and min-p (no penalties, ``logit_bias``,
-    ``min_tokens`` or grammar) and it asks for no logprobs (:func:`no_drafts_reason`).
+    ``min_tokens`` or grammar; :func:`no_drafts_reason`). Its logprobs, if it asks, are
+    those of each kept token's row.
     Greedy or sampled, its drafts are verified by :func:`verify_drafts`, and its tokens
     are distributed as without speculation (greedy and seeded: the very same tokens)."""
     return no_drafts_reason(params) is None

@@ -233,6 +233,28 @@ class TestProposerFailures:
         assert all(r.levelname == "DEBUG" for r in errors[1:])
 
 
+class TestLogprobs:
+    def test_kept_drafts_carry_the_logprobs_of_their_rows(self) -> None:
+        """Requests asking for logprobs speculate too; each token's logprob, rank and
+        alternatives equal decoding's without drafts (the row that scored it)."""
+        prompts = _prompts()
+        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=3)
+        runs = []
+        for config in ({}, {"speculative_config": NGRAM}):
+            with LLM(EngineConfig(model="builtin:tiny", **config)) as llm:
+                runs.append(llm.generate(prompts, params))
+                kept = llm.engine.core.scheduler.spec_decode_counts[1]
+        assert kept > 0
+        for plain, spec in zip(*runs, strict=True):
+            assert spec.token_ids == plain.token_ids
+            assert plain.logprobs is not None and spec.logprobs is not None
+            assert len(spec.logprobs) == len(spec.token_ids)
+            for a, b in zip(plain.logprobs, spec.logprobs, strict=True):
+                assert (a.token_id, a.rank) == (b.token_id, b.rank)
+                assert abs(a.logprob - b.logprob) < 1e-4
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 class TestOutputs:
     def test_stop_tokens_stop_strings_and_text_as_without_drafts(self) -> None:
         """Kept drafts go through stop checks and detokenization one token at a time: a

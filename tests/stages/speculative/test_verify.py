@@ -121,7 +121,7 @@ class TestVerifyDrafts:
     def test_only_requests_that_speculate_keep_drafts(self) -> None:
         """A greedy request keeps its drafts up to the first wrong one and the target's
         token there; a penalised one and a failed one keep what was sampled (their
-        drafts are rejected)."""
+        drafts are rejected); one asking for logprobs speculates too."""
         greedy = SamplingParams(temperature=0.0)
         requests = (
             _scheduled("g", (4, 5, 6), greedy),
@@ -140,9 +140,9 @@ class TestVerifyDrafts:
         sampled = SampledTokens(token_ids={"g": 4, "p": 4, "l": 4}, errors={"f": "bad row"})
         step = SchedulerOutput(step_id=1, requests=requests)
         got = verify_drafts(sampled, step, out, _argmax)
-        assert got.token_ids == {"g": (4, 5, 1), "p": (4,), "l": (4,)}
+        assert got.token_ids == {"g": (4, 5, 1), "p": (4,), "l": (4, 4)}
         assert got.errors == {"f": "bad row"}
-        assert [speculates(r.sampling) for r in requests] == [True, False, False, True]
+        assert [speculates(r.sampling) for r in requests] == [True, False, True, True]
 
     def test_no_drafts_changes_nothing(self) -> None:
         sampled = SampledTokens(token_ids={"a": 3})
