@@ -520,6 +520,14 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()
 
+    @classmethod
+    def of(cls, outcomes: Iterable[tuple[int, int]]) -> SpecDecodeStats:
+        """The counts of ``(drafted, accepted)`` pairs, one per drafted request."""
+        stats = cls()
+        for drafted, accepted in outcomes:
+            stats = stats.with_draft(drafted, accepted)
+        return stats
+
     def with_draft(self, drafted: int, accepted: int) -> SpecDecodeStats:
         """These counts plus one request's ``drafted`` drafts, of which the first
         ``accepted`` were kept."""

@@ -29,6 +29,7 @@ from stages.save import SaveStage
 from stages.schedule import ScheduleStage, StepLink
 from stages.speculative import Proposer
 from stages.speculative.budget import DraftBudget
+from stages.speculative.proposer import BatchProposer
 from stages.structured import GrammarRows, StructuredOutputStage
 from stages.update import UpdateStage
 
@@ -79,7 +80,7 @@ def default_worker_graph(
     )
 
 
-def _propose(scheduler: Scheduler, proposer: Proposer) -> ProposeStage:
+def _propose(scheduler: Scheduler, proposer: Proposer | BatchProposer) -> ProposeStage:
     return ProposeStage(scheduler, proposer, DraftBudget(proposer.k))
 
 
@@ -90,7 +91,7 @@ def default_engine_graph(
     aggregator: FanInAggregator,
     fan_in_timeout_s: float = 300.0,
     ahead: bool = False,
-    proposer: Proposer | None = None,
+    proposer: Proposer | BatchProposer | None = None,
 ) -> StepGraph:
     """The engine graph: schedule, run the ranks, merge, update; a failed step fails
     its requests in the ``fail_step`` finalizer.

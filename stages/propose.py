@@ -114,7 +114,8 @@ class ProposeStage:
             given = self.scheduler.propose_drafts(propose)
             drafted = counts[0]
         self.budget.retain(seen)  # a request that is not decoding starts afresh
-        self._counted.intersection_update(self.scheduler.unfinished_request_ids())
+        if self._counted:
+            self._counted.intersection_update(self.scheduler.unfinished_request_ids())
         for reason in without.keys() - self._warned:
             self._warned.add(reason)
             log.warning("speculative decoding: requests get no drafts", reason=reason,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 
-from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput
+from pipeline.artifacts import EngineStepOutput, FanInOutput, SchedulerOutput, SpecDecodeStats
 from pipeline.kernel.context import StepContext
 
 if TYPE_CHECKING:
@@ -30,12 +30,12 @@ class UpdateStage:
         scheduler_output = ctx.get(SchedulerOutput)
         merged = ctx.get(FanInOutput)
         outputs = self.scheduler.update_from_output(scheduler_output, merged)
-        spec = self.scheduler.step_spec_decode_stats
+        drafted = self.scheduler.step_draft_outcomes
         return EngineStepOutput(
             step_id=scheduler_output.step_id,
             outputs=tuple(outputs),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             num_requests=len(scheduler_output.requests),
             stats=merged.stats,
-            spec_decode=spec if spec.num_drafts else None,
+            spec_decode=SpecDecodeStats.of(drafted.values()) if drafted else None,
         )

@@ -303,7 +303,8 @@ class ServerMetrics:
                 self.spec_accepted_per_pos.labels(str(position)).inc(int(kept))
         for reason, requests in (fields.get("spec_without_drafts") or {}).items():
             self.spec_without_drafts.labels(str(reason)).inc(int(requests))
-        self.spec_proposer_failures.inc(int(fields.get("spec_proposer_failures") or 0))
+        if fields.get("spec_proposer_failures"):
+            self.spec_proposer_failures.inc(int(fields["spec_proposer_failures"]))
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Account a request's last output as the route receives it: its finish reason

@@ -163,9 +163,6 @@ class SparseMoE(nn.Module):
                 y = F.linear(F.silu(F.linear(h, gate_p.weight)) * F.linear(h, up_p.weight),
                              down_p.weight)  # fmt: skip
             out.index_add_(0, rows, y * weights.index_select(0, mine)[:, None])
-        return self._finish(out, residual)
-
-    def _finish(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.tp.sharded:
             out = self.tp.reduce(out)
         return out if residual is None else out.add_(residual)

@@ -117,7 +117,6 @@ def apply_output(
     outputs: list[RequestOutput] = []
     discarded = _handle_load_errors(state, scheduler_output, output, policy, outputs)
     now: float | None = None
-    step_spec = SpecDecodeStats()
     state.step_draft_outcomes = outcomes = {}
     for item in scheduler_output.requests:
         req_id = item.req_id
@@ -159,7 +158,6 @@ def apply_output(
         if item.draft_token_ids:
             drafted = len(item.draft_token_ids)
             accepted = drafted - _take_back_rejected(request, item, tokens)
-            step_spec = step_spec.with_draft(drafted, accepted)
             outcomes[req_id] = (drafted, accepted)
         new_tokens, status = append_tokens(request, tokens, policy.max_model_len)
         if request.logprobs is not None and len(request.logprobs) > request.num_output_tokens:
@@ -168,8 +166,8 @@ def apply_output(
         if status is not None:
             state.finish(request, status)
         outputs.append(make_output(request, new_tokens))
-    state.step_spec_decode = step_spec
-    state.spec_decode += step_spec
+    if outcomes:
+        state.spec_decode += SpecDecodeStats.of(outcomes.values())
     _finish_recving(state, output.finished_recving)
     _finish_sending(state, output)
     _expire_transfers(state, output, outputs)

@@ -272,12 +272,6 @@ class Scheduler:
         return self._state.spec_decode
 
     @property
-    def step_spec_decode_stats(self) -> SpecDecodeStats:
-        """Speculative decoding's counts of the step :meth:`update_from_output` applied
-        last."""
-        return self._state.step_spec_decode
-
-    @property
     def step_draft_outcomes(self) -> Mapping[str, tuple[int, int]]:
         """Of the step :meth:`update_from_output` applied last: each drafted request's
         ``(drafts verified, drafts kept)``."""

@@ -107,7 +107,6 @@ class SchedulerState:
         num_preemptions: Requests preempted so far (each time one was).
         spec_decode: Speculative drafts the steps applied so far verified, and the ones
             kept (equal to the token sampled at their position).
-        step_spec_decode: The same, of the step applied last alone.
         step_draft_outcomes: Of the step applied last, each drafted request's drafts
             verified and kept.
     """
@@ -128,7 +127,6 @@ class SchedulerState:
     load_failures: dict[str, int] = attrs.field(factory=dict)
     num_preemptions: int = 0
     spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
-    step_spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
     step_draft_outcomes: dict[str, tuple[int, int]] = attrs.field(factory=dict)
 
     def finish_all(

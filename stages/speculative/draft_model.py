@@ -110,13 +110,6 @@ class DraftModelProposer:
             )  # fmt: skip
         return cls(runner, k)
 
-    def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
-        """:meth:`propose_batch` for one request (under a private id, dropped after)."""
-        limit = self._k if k is None else min(k, self._k)
-        drafts = self.propose_batch({"_one": (token_ids, limit)})["_one"]
-        self.retain(())
-        return drafts
-
     def propose_batch(
         self, requests: Mapping[str, tuple[Sequence[int], int]]
     ) -> dict[str, list[int]]:

@@ -29,6 +29,12 @@ def _prompts() -> list[list[int]]:
     return [repetitive, [rng.randrange(3, 250) for _ in range(29)], repetitive[:20] * 2]
 
 
+def _use_proposer(llm: LLM, proposer: Any) -> None:
+    """Make ``llm``'s propose stage draft with ``proposer`` (a test's own)."""
+    stage = next(s for s in llm.engine.core.engine_graph.stages if isinstance(s, ProposeStage))
+    object.__setattr__(stage, "proposer", proposer)
+
+
 def _run(prompts: list[list[int]], params: Any, **config: Any) -> tuple[list[tuple[int, ...]], int]:
     """Each output's tokens, and the drafts the engine proposed (0 without speculation);
     with speculation, checks that the drafts computed were counted and some were kept."""
@@ -146,10 +152,7 @@ class TestSampling:
                 return list(guess[done : done + min(k or 3, 3)])
 
         with LLM(EngineConfig(model="builtin:tiny", speculative_config=NGRAM, **config)) as llm:
-            stage = next(
-                s for s in llm.engine.core.engine_graph.stages if isinstance(s, ProposeStage)
-            )
-            object.__setattr__(stage, "proposer", GreedyGuess())
+            _use_proposer(llm, GreedyGuess())
             spec = [tuple(o.token_ids) for o in llm.generate([prompt] * n, params)]
             drafted, kept = llm.engine.core.scheduler.spec_decode_counts
         assert 0.05 * drafted < kept < 0.95 * drafted, (kept, drafted)
@@ -176,10 +179,7 @@ class TestBudget:
                 return [(t + 1) % 256 for t in plain[done : done + min(k or 3, 3)]]
 
         with LLM(EngineConfig(model="builtin:tiny", speculative_config=NGRAM)) as llm:
-            stage = next(
-                s for s in llm.engine.core.engine_graph.stages if isinstance(s, ProposeStage)
-            )
-            object.__setattr__(stage, "proposer", Wrong())
+            _use_proposer(llm, Wrong())
             (out,) = llm.generate([prompt], params)
             drafted, kept = llm.engine.core.scheduler.spec_decode_counts
         assert tuple(out.token_ids) == plain
@@ -219,10 +219,7 @@ class TestProposerFailures:
         path = tmp_path / "steps.jsonl"
         config = EngineConfig(model="builtin:tiny", speculative_config=NGRAM, step_log=path)
         with caplog.at_level("DEBUG", logger="kvstep"), LLM(config) as llm:
-            stage = next(
-                s for s in llm.engine.core.engine_graph.stages if isinstance(s, ProposeStage)
-            )
-            object.__setattr__(stage, "proposer", proposer)
+            _use_proposer(llm, proposer)
             outs = llm.generate(prompts, GREEDY)
         assert [tuple(o.token_ids) for o in outs] == plain
         assert all(o.finish_reason == "length" for o in outs)

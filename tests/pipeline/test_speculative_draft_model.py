@@ -132,7 +132,7 @@ class TestProposer:
             assert len(guess) == 3
             wrong = (guess[0] + 1) % 512  # the target disagreed with the first draft
             later = used.propose_batch({"r": ([*tokens, wrong], 3)})["r"]
-            assert later == fresh.propose([*tokens, wrong], 3)
+            assert later == fresh.propose_batch({"f": ([*tokens, wrong], 3)})["f"]
             used.retain(())
             assert len(used._free) == used.runner.num_blocks  # every block back
         finally:
