@@ -48,6 +48,7 @@ from connectors.store.tracking import (
     match_candidates,
     new_full_blocks,
     track_scheduled,
+    unsaved_at_finish,
 )
 from pipeline.kv_events.events import MEDIUM_CPU
 from pipeline.logger import get_logger
@@ -108,6 +109,9 @@ class OffloadScheduler(KVConnectorScheduler):
         self.block_size = context.block_size
         self.index = index if index is not None else SlotIndex(self.options.num_blocks)
         self._trackers: dict[str, RequestTracker] = {}
+        #: Full blocks of finished requests never offered for a save (speculative
+        #: drafts filled them in the request's last step; see ``unsaved_at_finish``).
+        self.num_unsaved_blocks = 0
         self._matches: dict[str, _Match] = {}
         self._loads: list[BlockCopy] = []  # registered since the last build
         self._built: _BuiltStep | None = None
@@ -249,7 +253,8 @@ class OffloadScheduler(KVConnectorScheduler):
         """Stop tracking ``request``; its saves of this step still commit. An async load
         still in flight is unpinned: each worker cancels it before its next forward."""
         req_id = request.request_id
-        self._trackers.pop(req_id, None)
+        tracker = self._trackers.pop(req_id, None)
+        self.num_unsaved_blocks += unsaved_at_finish(tracker, self.block_size, "offload")
         self._matches.pop(req_id, None)
         self._unpin_async(req_id)
         return RequestFinishedResult()

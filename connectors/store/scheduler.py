@@ -46,6 +46,7 @@ from connectors.store.tracking import (
     match_candidates,
     new_full_blocks,
     track_scheduled,
+    unsaved_at_finish,
 )
 
 if TYPE_CHECKING:
@@ -95,6 +96,9 @@ class StoreScheduler(KVConnectorScheduler):
         self.block_size = context.block_size
         self.kv_events: StoreEvents | None = None
         self._trackers: dict[str, RequestTracker] = {}
+        #: Full blocks of finished requests never offered for a save (speculative
+        #: drafts filled them in the request's last step; see ``unsaved_at_finish``).
+        self.num_unsaved_blocks = 0
         self._matches: dict[str, tuple[int, int]] = {}  # request -> (first block, count)
         self._loads: list[BlockRef] = []  # registered since the last build
         self._built: _BuiltStep | None = None
@@ -199,7 +203,8 @@ class StoreScheduler(KVConnectorScheduler):
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> RequestFinishedResult:
         """Stop tracking ``request``; nothing is delayed (this step's saves of it are
         written by the workers before the step ends, and still announced)."""
-        self._trackers.pop(request.request_id, None)
+        tracker = self._trackers.pop(request.request_id, None)
+        self.num_unsaved_blocks += unsaved_at_finish(tracker, self.block_size, self.name)
         self._matches.pop(request.request_id, None)
         return RequestFinishedResult()
 

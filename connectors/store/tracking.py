@@ -25,6 +25,7 @@ __all__ = [
     "match_candidates",
     "new_full_blocks",
     "track_scheduled",
+    "unsaved_at_finish",
 ]
 
 log = get_logger()
@@ -96,3 +97,25 @@ def new_full_blocks(tracker: RequestTracker, item: ScheduledRequest, block_size:
     stop = min(end // block_size, len(tracker.block_ids), len(tracker.request.block_hashes))
     tracker.next_block = max(first, stop)
     return range(first, stop)
+
+
+_WARNED_UNSAVED: set[str] = set()
+
+
+def unsaved_at_finish(tracker: RequestTracker | None, block_size: int, connector: str) -> int:
+    """How many full blocks of a finishing request were never offered for a save: those
+    speculative drafts filled in its last step (offered only the step after, which never
+    comes). Logged at warning level the first time per connector, at debug after: a
+    cache miss later, never a wrong block."""
+    if tracker is None:
+        return 0
+    request = tracker.request
+    full = min(request.num_computed_tokens // block_size, len(tracker.block_ids),
+               len(request.block_hashes))  # fmt: skip
+    missed = max(0, full - tracker.next_block)
+    if missed:
+        level = log.debug if connector in _WARNED_UNSAVED else log.warning
+        _WARNED_UNSAVED.add(connector)
+        level(f"{connector}: blocks filled by speculative drafts in a request's last step "
+              "are not saved", req_id=request.request_id, blocks=missed)  # fmt: skip
+    return missed
