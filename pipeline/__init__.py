@@ -76,6 +76,8 @@ if TYPE_CHECKING:
     from pipeline.logits import LogitsStage as LogitsStage
     from pipeline.logprobs import MAX_LOGPROBS as MAX_LOGPROBS
     from pipeline.logprobs import TokenLogprob as TokenLogprob
+    from pipeline.lora import LoRAAdapter as LoRAAdapter
+    from pipeline.lora import LoRARequest as LoRARequest
     from pipeline.request import Request as Request
     from pipeline.request import RequestMetrics as RequestMetrics
     from pipeline.request import RequestOutput as RequestOutput
@@ -104,6 +106,8 @@ _EXPORTS: dict[str, str] = {
     "LogitsBatch": "pipeline.logits",
     "LogitsStage": "pipeline.logits",
     "EngineConfig": "pipeline.config",
+    "LoRAAdapter": "pipeline.lora",
+    "LoRARequest": "pipeline.lora",
     "SamplingParams": "pipeline.config",
     "LLM": "pipeline.engine",
     "AsyncEngine": "pipeline.engine",

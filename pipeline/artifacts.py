@@ -18,6 +18,7 @@ import attrs
 from pipeline.config import SamplingParams
 from pipeline.errors import short_repr
 from pipeline.logprobs import TokenLogprob
+from pipeline.lora import LoRAAdapter
 from pipeline.request import RequestOutput
 
 __all__ = [
@@ -144,6 +145,8 @@ class ScheduledRequest:
             when ``sample``. The scheduler's budget and KV slots count them; those a
             step rejects are taken back from the request's computed tokens, and their
             KV is never cached. Empty without speculative decoding.
+        lora: The LoRA adapter the request runs with (always sent, as ``sampling``),
+            or ``None`` for the base model.
     """
 
     req_id: str
@@ -157,6 +160,7 @@ class ScheduledRequest:
     prefix_token_ids: tuple[int, ...] = ()
     prompt_logprob_targets: tuple[int, ...] = ()
     draft_token_ids: tuple[int, ...] = ()
+    lora: LoRAAdapter | None = None
 
     @property
     def num_new_tokens(self) -> int:

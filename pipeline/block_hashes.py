@@ -114,6 +114,11 @@ class HashedTokens(Protocol):
     all_token_ids: list[int]
     block_hashes: list[bytes]
 
+    @property
+    def hash_extra_keys(self) -> ExtraKeys | None:
+        """What every block hash of the request also covers (its LoRA adapter), or
+        ``None``."""
+
 
 class BlockHasher:
     """Keeps ``request.block_hashes`` in step with the request's full blocks.
@@ -144,11 +149,14 @@ class BlockHasher:
         tokens = request.all_token_ids
         num_full = len(tokens) // self.block_size
         added: list[bytes] = []
+        if len(hashes) >= num_full:
+            return added
+        extra = request.hash_extra_keys
         for index in range(len(hashes), num_full):
             parent = hashes[index - 1] if index else None
             start = index * self.block_size
             block_hash = hash_block_tokens(
-                parent, tokens[start : start + self.block_size], root=self.root
+                parent, tokens[start : start + self.block_size], extra, root=self.root
             )
             hashes.append(block_hash)
             added.append(block_hash)

@@ -58,6 +58,8 @@ STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 INLINE_FORWARD_BELOW_S = 0.002
 """Default ``inline_forward_below_s``: passes shorter than a few thread hand-overs."""
 MAX_INLINE_FORWARD_BELOW_S = 1.0
+#: Largest ``max_lora_rank`` (vLLM's largest supported rank).
+MAX_LORA_RANK = 512
 """Longest ``inline_forward_below_s``: a longer pass blocking the loop is ``inline_forward``."""
 
 
@@ -106,6 +108,10 @@ def _cuda_graphs(inst: EngineConfig, attribute: attrs.Attribute[Any], value: boo
     for bad, why in refused:
         if value and bad:
             raise InvalidConfigError(attribute.name, value, why)
+
+
+def _lora_rank(inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    check_int(attribute.name, value, InvalidConfigError, lo=1, hi=MAX_LORA_RANK)
 
 
 def _choice(choices: tuple[str, ...]) -> Any:
@@ -300,6 +306,13 @@ class EngineConfig:
             ``kvstep[structured]``) or ``"xgrammar"`` (``pip install xgrammar``; JSON
             schemas, regexes, choices and GBNF/EBNF grammars, not Lark, and no reasoning
             section before the constrained output).
+        enable_lora: Serve LoRA adapters (vLLM's ``--enable-lora``): requests may name
+            a peft adapter (``lora_request=LoRARequest(name, int_id, path)``), applied
+            to that request's rows of the batch only (q/k/v/o and gate/up/down
+            projections; :mod:`stages.model.lora`).
+        max_loras: Most adapters in one step (each worker holds that many, least
+            recently used out first); a request whose adapter would be one more waits.
+        max_lora_rank: Largest adapter rank accepted (at most 512).
     """
 
     model: str = attrs.field(default="builtin:tiny", validator=_model)
@@ -344,6 +357,9 @@ class EngineConfig:
     structured_outputs_backend: str = attrs.field(
         default="llguidance", validator=_choice(STRUCTURED_OUTPUTS_BACKENDS)
     )
+    enable_lora: bool = attrs.field(default=False, validator=_bool)
+    max_loras: int = attrs.field(default=1, validator=_positive)
+    max_lora_rank: int = attrs.field(default=16, validator=_lora_rank)
 
     def __attrs_post_init__(self) -> None:
         entries = check_logits_processors(

@@ -12,6 +12,7 @@ import attrs
 from pipeline.config import SamplingParams
 from pipeline.errors import StepFailure
 from pipeline.logprobs import TokenLogprob
+from pipeline.lora import LoRAAdapter
 
 __all__ = ["FINISH_REASONS", "Request", "RequestMetrics", "RequestOutput", "RequestStatus"]
 
@@ -75,6 +76,7 @@ class Request:
         "kv_transfer_params",
         "last_token_time",
         "logprobs",
+        "lora",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_external_computed_tokens",
@@ -95,8 +97,12 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> None:
         self.request_id = request_id
+        # The adapter the request runs with (``None``: the base model); every block
+        # hash of the request covers it. Set before the first hash, never changed.
+        self.lora = lora
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -143,6 +149,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def hash_extra_keys(self) -> tuple[str, str] | None:
+        """What each block hash of the request also covers: its adapter, or nothing."""
+        lora = self.lora
+        return None if lora is None else lora.extra_keys()
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from pipeline.config import SamplingParams
 from pipeline.engine.output_text import OutputText
 from pipeline.errors import InvalidRequestError
 from pipeline.executors.wire_checks import check_sendable
+from pipeline.lora import LoRAAdapter
 from pipeline.request import Request
 from pipeline.transfer_params import check_transfer_params
 
@@ -82,6 +83,7 @@ def new_request(
     eos_token_id: int | list[int] | tuple[int, ...] | None,
     arrival_time: float | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
+    lora: LoRAAdapter | None = None,
 ) -> Request:
     """The :class:`Request` of a validated prompt and ``params``.
 
@@ -107,6 +109,7 @@ def new_request(
         params,
         eos_token_id=eos,
         arrival_time=now if arrival_time is None else arrival_time,
+        lora=lora,
     )
     request.kv_transfer_params = transfer
     return request

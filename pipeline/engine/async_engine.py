@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -27,6 +29,7 @@ from pipeline.errors import (
 )
 from pipeline.grammar.compiler import timed_out
 from pipeline.logger import get_logger
+from pipeline.lora import LoRAAdapter, LoRARequest
 from pipeline.request import RequestOutput
 from pipeline.structured_outputs import StructuredOutputsParams
 from pipeline.transfer_params import check_transfer_params
@@ -149,6 +152,7 @@ class AsyncEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Admit one request; iterate the result for its outputs.
 
@@ -166,6 +170,11 @@ class AsyncEngine:
         small JSON object, checked and copied here (the caller may reuse its dict). The
         final output's ``kv_transfer_params`` is what the connector's
         ``request_finished`` returned.
+
+        ``lora_request`` (``enable_lora``) runs the request with that LoRA adapter. An
+        adapter the engine has not read yet is read and checked first, off the event
+        loop (:meth:`add_lora`), and the request is admitted then; a bad adapter
+        directory ends the stream with its ``InvalidRequestError`` when iterated.
 
         Raises at once (before anything is queued): ``InvalidRequestError`` for a bad
         prompt, parameters (a ``dict`` where ``SamplingParams`` is expected) or
@@ -188,11 +197,65 @@ class AsyncEngine:
             raise InvalidRequestError(
                 "request_id", request_id, "must be unique among live requests"
             )
+        lora = None if lora_request is None else core.loras.get(lora_request)
         stream = RequestStream(self, request_id)
-        core.add_request(request_id, token_ids, params, arrival_time, kv_transfer_params=transfer)
+        if lora_request is not None and lora is None:
+            assert self._tg is not None
+            self._streams[request_id] = stream
+            arrival_time = time.monotonic() if arrival_time is None else arrival_time
+            admit = functools.partial(
+                core.add_request, request_id, token_ids, params, arrival_time,
+                kv_transfer_params=transfer,
+            )  # fmt: skip
+            self._tg.start_soon(self._admit_with_adapter, stream, lora_request, admit)
+            return stream
+        core.add_request(
+            request_id, token_ids, params, arrival_time, kv_transfer_params=transfer, lora=lora
+        )
         self._streams[request_id] = stream
         self._wakeup.set()
         return stream
+
+    async def _admit_with_adapter(
+        self, stream: RequestStream, lora_request: LoRARequest, admit: Callable[..., None]
+    ) -> None:
+        """Read ``lora_request``'s adapter off the loop, then admit the request (unless
+        its stream was aborted meanwhile); a bad adapter ends the stream with its error."""
+        request_id = stream.request_id
+        try:
+            lora = await self.add_lora(lora_request)
+            if self._streams.get(request_id) is stream:
+                admit(lora=lora)
+        except InvalidRequestError as exc:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                stream._deliver(exc)
+            return
+        self._wakeup.set()
+
+    async def add_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check ``lora_request``'s adapter (once per id; off the event loop);
+        requests may then name it. vLLM's ``add_lora``.
+
+        Raises:
+            InvalidRequestError: LoRA is off (``enable_lora``), the id or name belongs to
+                another adapter, or the directory is not an adapter of this model
+                (:mod:`stages.model.lora_files`).
+        """
+        loras = self.core.loras
+        known = loras.get(lora_request)
+        if known is not None:
+            return known
+        return await anyio.to_thread.run_sync(loras.resolve, lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forget the adapter ``lora_name`` (requests running with it finish with it);
+        whether there was one."""
+        return self.core.loras.remove(lora_name) is not None
+
+    def list_loras(self) -> list[LoRAAdapter]:
+        """The adapters the engine has read, in the order they were added."""
+        return self.core.loras.adapters()
 
     async def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile ``params``' grammar (or find it cached) without blocking the loop.

@@ -20,6 +20,7 @@ from pipeline.artifacts import EngineStepOutput
 from pipeline.config import EngineConfig, SamplingParams
 from pipeline.engine.admission import check_params, check_prompt, new_request
 from pipeline.engine.kv_events import start_kv_events
+from pipeline.engine.lora_registry import LoRARegistry
 from pipeline.engine.output_text import OutputText
 from pipeline.engine.step_record import record_engine_step
 from pipeline.errors import EngineDeadError, InvalidRequestError
@@ -30,6 +31,7 @@ from pipeline.grammar.backend import CompiledGrammar
 from pipeline.grammar.compiler import compiler_for
 from pipeline.kernel.context import StepContext
 from pipeline.logger import get_logger
+from pipeline.lora import LoRAAdapter
 from pipeline.request import RequestOutput
 from pipeline.steplog import StepLog, bind_step
 from pipeline.structured_outputs import StructuredOutputsParams
@@ -120,6 +122,10 @@ class EngineCore:
             linear_kernel=started.linear_kernel,
         )
         self.output_text = OutputText(self.tokenizer, self.scheduler.stop_requests)
+        #: The LoRA adapters this engine has read (:class:`LoRARegistry`).
+        self.loras = LoRARegistry(
+            self.model_config, enabled=config.enable_lora, max_rank=config.max_lora_rank
+        )
         self.aggregator = FanInAggregator(config.world_size, lease_s=config.transfer_lease_s)
         self.engine_graph = apply_graph(
             engine_graph,
@@ -194,6 +200,7 @@ class EngineCore:
         arrival_time: float | None = None,
         *,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> None:
         """Admit one request (its prompt already validated).
 
@@ -204,6 +211,8 @@ class EngineCore:
                 copy set on ``Request.kv_transfer_params`` before the scheduler sees the
                 request (:mod:`pipeline.transfer_params`). It stays in this process;
                 workers get only what the connector's metadata carries.
+            lora: The request's LoRA adapter, one this engine's :attr:`loras` resolved
+                (``None``: the base model).
 
         Raises:
             InvalidRequestError: ``params`` is not a ``SamplingParams`` the workers'
@@ -219,6 +228,7 @@ class EngineCore:
             eos_token_id=self.model_config.eos_token_id,
             arrival_time=arrival_time,
             kv_transfer_params=kv_transfer_params,
+            lora=self._known_lora(lora),
         )
         if self.connector is not None:
             self.connector.check_request(request)
@@ -226,6 +236,15 @@ class EngineCore:
             request.grammar_wait = self._compile_grammar(params.structured_outputs)
         self.scheduler.add_request(request)
         self.output_text.add(request_id, params)
+
+    def _known_lora(self, lora: LoRAAdapter | None) -> LoRAAdapter | None:
+        """``lora`` if this engine resolved it (a request never brings its own identity
+        of an adapter's weights)."""
+        if lora is None or self.loras.holds(lora):
+            return lora
+        raise InvalidRequestError(
+            "lora", getattr(lora, "name", lora), "is not an adapter this engine resolved"
+        )
 
     def _compile_grammar(
         self, params: StructuredOutputsParams

@@ -18,6 +18,7 @@ from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.core import GraphArg
 from pipeline.engine.inputs import as_prompt_list, check_sampling_params
 from pipeline.errors import EngineDeadError, InvalidRequestError
+from pipeline.lora import LoRARequest
 from pipeline.request import RequestOutput
 from pipeline.transfer_params import transfer_params_per_prompt
 
@@ -77,6 +78,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         kv_transfer_params: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs are in prompt order.
 
@@ -94,6 +96,10 @@ class LLM:
         (or ``None``) per prompt; each is checked and copied
         (:mod:`pipeline.transfer_params`). A result's ``kv_transfer_params`` is what the
         connector's ``request_finished`` returned for it.
+
+        ``lora_request`` (``enable_lora``): one LoRA adapter for every prompt, or a list
+        of one (or ``None``: the base model) per prompt. Each adapter is read and
+        checked before any prompt is queued.
 
         A request that fails ends with ``finish_reason="error"``; the others complete.
         Bad input raises before any prompt is queued.
@@ -118,13 +124,32 @@ class LLM:
             self.engine.core.validate_params(each)
         checked = [self.engine.core.validate_prompt(p) for p in prompt_list]
         transfers = transfer_params_per_prompt(kv_transfer_params, len(prompt_list))
-        return self._portal.call(self._generate, checked, per_prompt, transfers)
+        loras = self._loras_per_prompt(lora_request, len(prompt_list))
+        return self._portal.call(self._generate, checked, per_prompt, transfers, loras)
+
+    def _loras_per_prompt(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[LoRARequest | None]:
+        """One adapter (or ``None``) per prompt, each read and checked now."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * n
+        elif isinstance(lora_request, Sequence) and len(lora_request) == n:
+            loras = list(lora_request)
+        else:
+            raise InvalidRequestError(
+                "lora_request", lora_request, f"must be a LoRARequest, None, or {n} of them"
+            )
+        for each in dict.fromkeys(loras):
+            if each is not None:
+                self._portal.call(self.engine.add_lora, each)
+        return loras
 
     async def _generate(
         self,
         prompts: list[list[int]],
         params: list[SamplingParams],
         transfers: list[dict[str, Any] | None],
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(prompts)
         limit = anyio.Semaphore(self.config.max_queue_depth)
@@ -132,7 +157,10 @@ class LLM:
         async def one(index: int) -> None:
             async with limit:
                 stream = self.engine.generate(
-                    prompts[index], params[index], kv_transfer_params=transfers[index]
+                    prompts[index],
+                    params[index],
+                    kv_transfer_params=transfers[index],
+                    lora_request=loras[index],
                 )
                 async for out in stream:
                     results[index] = out

@@ -21,9 +21,12 @@ Differences from vLLM, all compatible with its decoders: ``BlockStored`` stops a
 ``lora_name`` (vLLM's later optional fields ``extra_keys``, ``group_idx`` and the
 cache-spec fields default to ``None`` on decode; a decoder of the older seven-field schema
 ignores the trailing ``lora_name``, as msgspec ignores extra trailing array items);
-``BlockRemoved`` has no ``group_idx`` (optional in vLLM); kvstep has one KV cache group,
-no LoRA (``lora_id`` and ``lora_name`` are always ``None``) and no data parallelism
-(``data_parallel_rank`` is ``0``, as vLLM's rank-0 publisher sends).
+``BlockRemoved`` has no ``group_idx`` (optional in vLLM); kvstep has one KV cache group
+and no data parallelism (``data_parallel_rank`` is ``0``, as vLLM's rank-0 publisher
+sends). A device-tier ``BlockStored`` of a LoRA request's blocks names the adapter
+(``lora_id``, ``lora_name``); its hashes cover the adapter's weights
+(:meth:`pipeline.lora.LoRAAdapter.extra_keys`), so a router's
+:func:`prompt_block_hashes` (no adapter) never matches them.
 
 **Block hashes on the wire** (vLLM's ``ExternalBlockHash``, ``bytes | int``): by default
 the low 64 bits of the 32-byte SHA-256 digest as an unsigned int, exactly as vLLM with
@@ -186,10 +189,11 @@ class BlockStored(KVCacheEvent):
         token_ids: The blocks' tokens, ``block_size`` per block, in order (empty from
             the offload tier, as from vLLM's offloading connector).
         block_size: Tokens per block.
-        lora_id: Always ``None`` (kvstep serves no LoRA adapters).
+        lora_id: The LoRA adapter's id whose request computed the blocks (device tier),
+            or ``None``.
         medium: The cache tier that holds them (``"GPU"``: the device tier, ``"CPU"``:
             the offload tier).
-        lora_name: Always ``None``.
+        lora_name: That adapter's name, or ``None``.
     """
 
     block_hashes: list[ExternalBlockHash]

@@ -19,7 +19,7 @@ Plain synchronous code on the engine's thread (the scheduler's); not thread-safe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pipeline.kv_events.events import (
     AllBlocksCleared,
@@ -28,6 +28,9 @@ from pipeline.kv_events.events import (
     KVEvent,
     external_block_hash,
 )
+
+if TYPE_CHECKING:
+    from pipeline.lora import LoRAAdapter
 
 __all__ = ["KVEventSink"]
 
@@ -74,11 +77,16 @@ class KVEventSink:
         )
 
     def stored(
-        self, digests: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int]
+        self,
+        digests: Sequence[bytes],
+        parent: bytes | None,
+        token_ids: Sequence[int],
+        lora: LoRAAdapter | None = None,
     ) -> None:
         """Blocks with these chained ``digests`` (a run in prefix order, after ``parent``)
-        and ``len(digests) * block_size`` ``token_ids`` entered the cache; the event
-        carries the tokens only when the sink was made with ``include_token_ids``."""
+        and ``len(digests) * block_size`` ``token_ids`` entered the cache, computed with
+        ``lora`` (or the base model); the event carries the tokens only when the sink was
+        made with ``include_token_ids``."""
         fmt = self._hash_format
         self.events.append(
             BlockStored(
@@ -86,8 +94,9 @@ class KVEventSink:
                 parent_block_hash=None if parent is None else external_block_hash(parent, fmt),
                 token_ids=[int(t) for t in token_ids] if self.include_token_ids else [],
                 block_size=self.block_size,
-                lora_id=None,
+                lora_id=None if lora is None else lora.int_id,
                 medium=self.medium,
+                lora_name=None if lora is None else lora.name,
             )
         )
 

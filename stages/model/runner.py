@@ -25,6 +25,7 @@ from stages.model.connector_hooks import ConnectorHooks
 from stages.model.cuda_graphs import DecodeGraphs
 from stages.model.inputs import RequestStates
 from stages.model.kv_cache import allocate_kv_caches, local_kv_heads
+from stages.model.lora import LoRASlots, lora_step
 from stages.model.model import CausalLM
 from stages.model.parallel import TensorParallel
 from stages.model.runner_parts import (
@@ -114,6 +115,17 @@ class ModelRunner:
             if parts.graph_capture is not None
             else None
         )
+        self._lora: LoRASlots | None = None
+        if settings.enable_lora:
+            self._lora = LoRASlots(
+                loaded.config,
+                tp,
+                max_loras=settings.max_loras,
+                max_rank=settings.max_lora_rank,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            self._lora.attach(self.model)
         self._closed = False
 
     @classmethod
@@ -222,7 +234,8 @@ class ModelRunner:
             return ModelOutput(req_ids=(), logits=empty, num_tokens=0)
         self._states.update(scheduler_output)
         self._sampling.track(scheduler_output)
-        if self._graphs is not None and connector is None:
+        lora = None if self._lora is None else self._lora.step(scheduler_output.requests)
+        if self._graphs is not None and connector is None and lora is None:
             output = self._replay(scheduler_output)
             if output is not None:
                 return output
@@ -232,7 +245,7 @@ class ModelRunner:
             hooks = ConnectorHooks(
                 connector, self.kv_caches, self.forward_context(scheduler_output)
             )
-        with torch.inference_mode(), self.device_sync.compute_stream():
+        with torch.inference_mode(), self.device_sync.compute_stream(), lora_step(lora):
             meta = batch.attn_meta
             hidden = self.model(batch.input_ids, meta.positions, meta, self.kv_caches, hooks)
             parts = [r for r in (batch.sample_rows, batch.prompt_rows, batch.draft_rows)

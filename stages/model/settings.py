@@ -23,7 +23,8 @@ from pipeline.errors import InvalidConfigError
 
 __all__ = ["RunnerSettings"]
 
-_POSITIVE = ("block_size", "max_num_seqs", "max_model_len", "kv_cache_memory_bytes", "world_size")
+_POSITIVE = ("block_size", "max_num_seqs", "max_model_len", "kv_cache_memory_bytes", "world_size",
+             "max_loras", "max_lora_rank")  # fmt: skip
 
 
 @attrs.frozen(kw_only=True)
@@ -52,6 +53,9 @@ class RunnerSettings:
             (:class:`~stages.model.cuda_graphs.DecodeGraphs`); CUDA only, one rank.
         keep_freed_memory: On a CPU, keep the memory a step frees for the next one
             (:func:`~stages.model.cpu_allocator.keep_freed_memory`, process-wide).
+        enable_lora: Apply requests' LoRA adapters (:mod:`stages.model.lora`).
+        max_loras: Adapters the runner holds at once (a step has at most that many).
+        max_lora_rank: Largest adapter rank accepted.
 
     Raises:
         InvalidConfigError: A size that is not a positive integer, naming the field.
@@ -73,6 +77,9 @@ class RunnerSettings:
     inline_forward_below_s: float = INLINE_FORWARD_BELOW_S
     cuda_graphs: bool = False
     keep_freed_memory: bool = True
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __attrs_post_init__(self) -> None:
         for name in _POSITIVE:
@@ -80,7 +87,7 @@ class RunnerSettings:
         check_int("num_blocks", self.num_blocks, InvalidConfigError, lo=1, optional=True)
         name, value = "inline_forward_below_s", self.inline_forward_below_s
         check_float(name, value, InvalidConfigError, lo=0.0, hi=MAX_INLINE_FORWARD_BELOW_S)
-        for name in ("inline_forward", "cuda_graphs", "keep_freed_memory"):
+        for name in ("inline_forward", "cuda_graphs", "keep_freed_memory", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(name, getattr(self, name), "must be a bool")
         if self.cuda_graphs and self.world_size != 1:

@@ -27,6 +27,7 @@ from pipeline.errors import InvalidConfigError
 
 if TYPE_CHECKING:
     from pipeline.kv_events.sink import KVEventSink
+    from pipeline.lora import LoRAAdapter
 
 __all__ = ["BlockPool", "KVCacheBlock"]
 
@@ -147,6 +148,7 @@ class BlockPool:
         parent_hash: bytes | None = None,
         token_ids: Sequence[int] = (),
         first_token: int = 0,
+        lora: LoRAAdapter | None = None,
     ) -> list[KVCacheBlock]:
         """Register each full block under its hash (pairwise).
 
@@ -163,6 +165,7 @@ class BlockPool:
                 ``blocks`` (the request's whole token list: no copy is made unless KV
                 events are on, when they are read).
             first_token: See ``token_ids``.
+            lora: The LoRA adapter that computed them (read only by KV events).
 
         Returns:
             The blocks registered by this call.
@@ -180,7 +183,7 @@ class BlockPool:
             registered.append(block)
         if self.kv_events is not None and registered:
             self._report_stored(
-                registered, blocks, block_hashes, parent_hash, token_ids, first_token
+                registered, blocks, block_hashes, parent_hash, token_ids, first_token, lora
             )
         return registered
 
@@ -192,6 +195,7 @@ class BlockPool:
         parent_hash: bytes | None,
         token_ids: Sequence[int],
         first_token: int,
+        lora: LoRAAdapter | None,
     ) -> None:
         """One ``BlockStored`` per run of consecutive ``blocks`` that were ``registered``."""
         sink = self.kv_events
@@ -207,7 +211,7 @@ class BlockPool:
                 parent = block_hashes[start - 1] if start else parent_hash
                 first = first_token + start * size
                 tokens = token_ids[first : first + (index - start) * size]
-                sink.stored(block_hashes[start:index], parent, tokens)
+                sink.stored(block_hashes[start:index], parent, tokens, lora)
                 start = None
 
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> int:

@@ -154,6 +154,7 @@ class KVCacheManager:
             parent_hash=request.block_hashes[start - 1] if start else None,
             token_ids=request.all_token_ids,
             first_token=start * self.block_size,
+            lora=request.lora,
         )
         self._num_cached_blocks[req_id] = end
         if registered:

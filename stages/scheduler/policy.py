@@ -10,7 +10,9 @@ hold a running request's next tokens, the last running request is preempted by
 recompute, repeatedly, until the allocation fits or the request itself was the last one.
 Then, only if nobody was preempted, waiting requests are admitted first come first
 served while the budget, ``max_num_seqs`` and the pool allow: local prefix-cache hit,
-the connector's external match, allocation, ``update_state_after_alloc``. A request the
+the connector's external match, allocation, ``update_state_after_alloc``; one whose LoRA
+adapter would make the running requests' adapters more than ``max_loras`` is skipped
+(it keeps its place; others behind it may start), as in vLLM. A request the
 connector loads asynchronously is parked in ``WAITING_FOR_REMOTE_KVS`` instead of
 running. ``num_computed_tokens`` is advanced when a request is scheduled, so the next
 step can schedule its next token.
@@ -52,11 +54,13 @@ class SchedulingLimits:
         max_num_batched_tokens: Tokens computed in one step, over all requests.
         max_len: Tokens a request may reach (``max_model_len``, at most the pool's
             capacity); a request is not scheduled ahead past it.
+        max_loras: Most LoRA adapters among the running requests.
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_len: int | None = None
+    max_loras: int = 1
 
 
 class _RunningPass(NamedTuple):
@@ -155,11 +159,18 @@ def _schedule_waiting(
     (async scheduling): their places count as free, as they are once it is applied."""
     skipped: list[Request] = []
     now: float | None = None
+    adapters: set[int] | None = None  # of the running requests, once one needs them
     while state.waiting and budget > 0 and len(state.running) - ending < limits.max_num_seqs:
         request = state.waiting[0]
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             skipped.append(state.waiting.popleft())
             continue
+        if request.lora is not None:
+            if adapters is None:
+                adapters = {r.lora.int_id for r in state.running if r.lora is not None}
+            if request.lora.int_id not in adapters and len(adapters) >= limits.max_loras:
+                skipped.append(state.waiting.popleft())  # as vLLM: one more adapter waits
+                continue
         if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not grammar_ready(
             state, request
         ):
@@ -216,6 +227,8 @@ def _schedule_waiting(
                 now = time.monotonic()
             request.first_scheduled_time = now
         state.running.append(request)
+        if adapters is not None and request.lora is not None:
+            adapters.add(request.lora.int_id)
         scheduled.append(_schedule(state, request, num_new))
         budget -= num_new
     state.waiting.extendleft(reversed(skipped))
@@ -342,6 +355,7 @@ def _schedule(state: SchedulerState, request: Request, num_new: int) -> Schedule
             else ()
         ),
         draft_token_ids=draft_token_ids,
+        lora=request.lora,
     )
     state.sent_blocks[req_id] = len(block_ids)
     request.num_computed_tokens = start + num_new

@@ -73,6 +73,7 @@ class Scheduler:
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_len=max_len,
+            max_loras=settings.max_loras,
         )
         self._update_policy = UpdatePolicy(
             max_model_len=max_len,

@@ -16,7 +16,7 @@ from pipeline.errors import InvalidConfigError
 
 __all__ = ["SchedulerSettings"]
 
-_POSITIVE = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+_POSITIVE = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras")
 
 
 @attrs.frozen(kw_only=True)
@@ -33,6 +33,8 @@ class SchedulerSettings:
         hash_seed: Root seed of the chained block hashes.
         load_failure_policy: ``"recompute"`` (truncate to the last valid block and
             recompute) or ``"fail"`` (fail the request) for blocks that fail to load.
+        max_loras: Most LoRA adapters among the running requests (a waiting request
+            whose adapter would be one more is skipped until one leaves).
 
     Raises:
         InvalidConfigError: A size is not a positive integer, or the policy is unknown.
@@ -45,6 +47,7 @@ class SchedulerSettings:
     enable_prefix_caching: bool = True
     hash_seed: int = 0
     load_failure_policy: str = "recompute"
+    max_loras: int = 1
 
     def __attrs_post_init__(self) -> None:
         for name in _POSITIVE:
