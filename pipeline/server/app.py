@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import attrs
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -17,12 +18,19 @@ from starlette.routing import Route
 
 from pipeline.config import EngineConfig
 from pipeline.engine.async_engine import AsyncEngine
-from pipeline.errors import EngineDeadError
+from pipeline.errors import EngineDeadError, InvalidConfigError
 from pipeline.logger import get_logger
 from pipeline.server.chat import chat_completions
 from pipeline.server.completions import completions
 from pipeline.server.errors import error_body, exception_handlers
 from pipeline.server.kv_transfer import RELEASE_PATH, release_transfer
+from pipeline.server.lora import (
+    LOAD_PATH,
+    UNLOAD_PATH,
+    ServedLoRAs,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from pipeline.server.metrics import LoopLagMonitor, ServerMetrics
 from pipeline.server.middleware import GuardMiddleware
 from pipeline.server.options import ServerOptions
@@ -56,6 +64,7 @@ class ServerState:
         tool_parser: The tool-call parser of ``options.tool_call_parser``, or ``None``.
         reasoning_parser: The reasoning parser of ``options.reasoning_parser``, or
             ``None``.
+        loras: The LoRA adapters served, each as a model of its name.
     """
 
     def __init__(
@@ -82,6 +91,7 @@ class ServerState:
         self.tool_parser = None if name is None else get_tool_parser(name)()
         name = self.options.reasoning_parser
         self.reasoning_parser = None if name is None else get_reasoning_parser(name)()
+        self.loras = ServedLoRAs(model_name)
         self._given = given
 
     def running_engine(self) -> AsyncEngine:
@@ -158,13 +168,22 @@ def create_app(
     Returns:
         A Starlette app with ``POST /v1/completions``, ``POST /v1/chat/completions``,
         ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``,
-        ``GET /health`` and ``GET /metrics``. The app's state lives in
+        ``GET /health``, ``GET /metrics``, and the LoRA routes
+        ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``
+        (:mod:`pipeline.server.lora`; ``options.lora_modules`` are served from the
+        start, the engine then runs with ``enable_lora``). The app's state lives in
         ``app.state.kvstep`` (a :class:`ServerState`). Errors are OpenAI-shaped JSON
         (``pipeline.server.errors``).
     """
-    config = engine if isinstance(engine, EngineConfig) else engine.config
-    given = engine if isinstance(engine, AsyncEngine) else None
     options = options or ServerOptions()
+    if options.lora_modules and isinstance(engine, EngineConfig) and not engine.enable_lora:
+        engine = attrs.evolve(engine, enable_lora=True)
+    config = engine if isinstance(engine, EngineConfig) else engine.config
+    if options.lora_modules and not config.enable_lora:
+        raise InvalidConfigError(
+            "lora_modules", [n for n, _ in options.lora_modules], "needs an engine with enable_lora"
+        )
+    given = engine if isinstance(engine, AsyncEngine) else None
     state = ServerState(
         model_name or config.model,
         given,
@@ -181,6 +200,9 @@ def create_app(
                 running = await stack.enter_async_context(AsyncEngine(engine))
             else:
                 running = engine
+            for name, path in options.lora_modules:  # a bad adapter fails the start
+                if name not in state.loras:
+                    await state.loras.add(running, name, path)
             state.attach(running)
             stack.callback(state.detach)
             if freeze_gc:
@@ -199,6 +221,8 @@ def create_app(
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route(RELEASE_PATH, release_transfer, methods=["POST"]),
+            Route(LOAD_PATH, load_lora_adapter, methods=["POST"]),
+            Route(UNLOAD_PATH, unload_lora_adapter, methods=["POST"]),
             Route("/health", _health, methods=["GET"]),
             Route("/metrics", _metrics, methods=["GET"]),
         ],
@@ -218,7 +242,7 @@ def _state(request: Request) -> ServerState:
 async def _models(request: Request) -> Response:
     state = _state(request)
     model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvstep"}
-    return JSONResponse({"object": "list", "data": [model]})
+    return JSONResponse({"object": "list", "data": [model, *state.loras.models()]})
 
 
 async def _health(request: Request) -> Response:

@@ -48,7 +48,7 @@ from pipeline.server.choices import (
     usage,
     with_transfer_params,
 )
-from pipeline.server.completions import logprob_entries, model_not_found
+from pipeline.server.completions import logprob_entries, served_name
 from pipeline.server.errors import arrival_time, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
 from pipeline.server.limits import check_choices, check_prompt_logprobs
@@ -79,8 +79,7 @@ async def chat_completions(request: Request) -> Response:
     fields = parse_shared_fields(body, endpoint="chat")
     tools = parse_tools(body)
     note_ignored_fields(request, fields.ignored)
-    if fields.model is not None and fields.model != state.model_name:
-        return model_not_found(state, fields.model)
+    lora = state.loras.for_model(fields.model)
     check_choices(state.options, state.max_num_seqs, fields.n, 1)
     params, calls = _tool_params(state, tools, fields.params)
     params = _after_reasoning(state, params)
@@ -95,6 +94,7 @@ async def chat_completions(request: Request) -> Response:
         copy_params(params, n),
         arrival_time(request),
         fields.kv_transfer_params,
+        lora,
     )
     texts = TokenTexts(state.tokenizer)
     choices = [
@@ -109,7 +109,7 @@ async def chat_completions(request: Request) -> Response:
 
     def build() -> dict[str, Any]:
         bodies = [choice.chat(out, whole=True) for choice, out in zip(choices, finals, strict=True)]
-        reply = chat_body(rid, state.model_name, bodies, usage_=usage(finals, n))
+        reply = chat_body(rid, served_name(state, fields), bodies, usage_=usage(finals, n))
         reply["kv_transfer_params"] = transfer_params(finals)
         if fields.prompt_logprobs is not None:  # vLLM: one prompt, so a field of the response
             reply["prompt_logprobs"] = prompt_logprobs_json(
@@ -135,7 +135,7 @@ async def _render(
         return sse(body(chunk, usage_))
 
     def body(chunk: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
-        return chat_body(rid, state.model_name, chunk, created, chunk=True, usage_=usage_)
+        return chat_body(rid, served_name(state, fields), chunk, created, chunk=True, usage_=usage_)
 
     for choice in choices:
         delta = {"role": "assistant", "content": ""}

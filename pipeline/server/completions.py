@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pipeline.detokenize import decode_ids_text
 from pipeline.errors import InvalidRequestError
@@ -41,7 +41,7 @@ from pipeline.server.choices import (
     usage,
     with_transfer_params,
 )
-from pipeline.server.errors import arrival_time, error_body, note_ignored_fields
+from pipeline.server.errors import arrival_time, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
 from pipeline.server.limits import check_choices, check_prompt_logprobs
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
@@ -52,7 +52,7 @@ from pipeline.server.schemas import SharedFields, parse_completion_request
 if TYPE_CHECKING:
     from pipeline.server.app import ServerState
 
-__all__ = ["completions", "logprob_entries", "model_not_found", "refuse_stop_without_tokenizer"]
+__all__ = ["completions", "logprob_entries", "refuse_stop_without_tokenizer", "served_name"]
 
 
 async def completions(request: Request) -> Response:
@@ -64,8 +64,7 @@ async def completions(request: Request) -> Response:
     parsed = parse_completion_request(body, max_prompt_tokens=state.max_model_len)
     fields = parsed.fields
     note_ignored_fields(request, fields.ignored)
-    if fields.model is not None and fields.model != state.model_name:
-        return model_not_found(state, fields.model)
+    lora = state.loras.for_model(fields.model)
     refuse_stop_without_tokenizer(state, fields)
     n = fields.n
     check_choices(state.options, state.max_num_seqs, n, len(parsed.prompts))
@@ -83,6 +82,7 @@ async def completions(request: Request) -> Response:
         params,
         arrival_time(request),
         fields.kv_transfer_params,
+        lora,
     )
     texts = TokenTexts(state.tokenizer)
     echoes = [_echo_text(state, raw, ids) if fields.echo else None for raw, ids in zip(
@@ -108,7 +108,7 @@ async def completions(request: Request) -> Response:
                     out.prompt_token_ids, out.prompt_logprobs, texts
                 )
             bodies.append(one)
-        reply = completion_body(rid, state.model_name, bodies, usage_=usage(finals, n))
+        reply = completion_body(rid, served_name(state, fields), bodies, usage_=usage(finals, n))
         reply["kv_transfer_params"] = transfer_params(finals)
         return reply
 
@@ -127,12 +127,10 @@ def logprob_entries(fields: SharedFields, finals: Sequence[RequestOutput]) -> in
     return entries
 
 
-def model_not_found(state: ServerState, model: str) -> Response:
-    """The 404 for a ``model`` the server does not serve."""
-    message = f"model {model[:80]!r} is not served; the served model is {state.model_name!r}"
-    return JSONResponse(
-        error_body(message, "not_found_error", "model_not_found", "model"), status_code=404
-    )
+def served_name(state: ServerState, fields: SharedFields) -> str:
+    """The ``model`` a response names: the request's (the base model or an adapter,
+    checked already), else the base model's."""
+    return state.model_name if fields.model is None else fields.model
 
 
 def refuse_stop_without_tokenizer(state: ServerState, fields: SharedFields) -> None:
@@ -161,13 +159,14 @@ async def _render(
 ) -> AsyncIterator[str]:
     """The chunks: one per output, the usage chunk if asked, then ``[DONE]``."""
     created = int(time.time())
+    model = served_name(state, fields)
     finals: dict[int, RequestOutput] = {}
     async for index, out in outputs:
         if out.finished:
             finals[index] = out
         chunk = [choices[index].completion(out)]
-        yield sse(with_transfer_params(completion_body(rid, state.model_name, chunk, created), out))
+        yield sse(with_transfer_params(completion_body(rid, model, chunk, created), out))
     if fields.include_usage and len(finals) == len(choices):
         last = [finals[i] for i in range(len(choices))]
-        yield sse(completion_body(rid, state.model_name, [], created, usage(last, fields.n)))
+        yield sse(completion_body(rid, model, [], created, usage(last, fields.n)))
     yield "data: [DONE]\n\n"

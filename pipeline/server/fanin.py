@@ -40,6 +40,7 @@ from pipeline.config import SamplingParams
 from pipeline.engine.async_engine import AsyncEngine, RequestStream
 from pipeline.errors import EngineDeadError, InvalidRequestError
 from pipeline.logger import get_logger
+from pipeline.lora import LoRARequest
 from pipeline.request import RequestOutput
 from pipeline.server.body import CLIENT_CLOSED
 from pipeline.server.errors import HTTPProblem, error_body, request_id
@@ -71,10 +72,12 @@ async def admit(
     params: Sequence[SamplingParams],
     arrival_time: float | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> list[RequestStream]:
     """One engine request per (prompt, params), in order; all or none are admitted.
     ``arrival_time``: when the HTTP request arrived (``time.monotonic()``);
-    ``kv_transfer_params``: the one request's connector data (never shared by several)."""
+    ``kv_transfer_params``: the one request's connector data (never shared by several);
+    ``lora_request``: the adapter the requested model names (``None``: the base model)."""
     if kv_transfer_params is not None and len(prompts) != 1:
         raise InvalidRequestError(
             "kv_transfer_params", f"<{len(prompts)} requests>", "belongs to one engine request"
@@ -87,7 +90,11 @@ async def admit(
     try:
         for prompt, one in zip(prompts, params, strict=True):
             stream = engine.generate(
-                prompt, one, arrival_time=arrival_time, kv_transfer_params=kv_transfer_params
+                prompt,
+                one,
+                arrival_time=arrival_time,
+                kv_transfer_params=kv_transfer_params,
+                lora_request=lora_request,
             )
             streams.append(stream)
     except BaseException:

@@ -11,6 +11,7 @@ from pipeline.config import EngineConfig
 from pipeline.errors import InvalidConfigError
 from pipeline.logger import cli_logging, get_logger
 from pipeline.server.app import create_app
+from pipeline.server.lora import parse_lora_module
 from pipeline.server.options import API_KEY_ENV, ServerOptions
 from pipeline.server.reasoning import REASONING_PARSERS
 from pipeline.server.tool_parsers import TOOL_PARSERS
@@ -147,6 +148,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         "reasoning_content; default: none",
     )
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        default=None,
+        help="LoRA adapters (peft directories) to serve, each as a model of its NAME "
+        '(vLLM\'s name=path or {"name": ..., "path": ...}); turns on --enable-lora',
+    )
+    parser.add_argument(
         "--access-log",
         action="store_true",
         help="log one line per request (uvicorn's access log, on stdout; default: off)",
@@ -166,6 +175,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         "max_prompt_logprobs": args.max_prompt_logprobs,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
+        "lora_modules": tuple(parse_lora_module(m) for m in args.lora_modules or ()),
     }
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise InvalidConfigError(

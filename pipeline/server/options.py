@@ -55,6 +55,14 @@ def _api_key(instance: Any, attribute: attrs.Attribute[Any], value: object) -> N
         raise InvalidConfigError("api_key", "<hidden>", "must be a non-empty printable ASCII str")
 
 
+def _lora_modules(instance: Any, attribute: attrs.Attribute[Any], value: tuple[Any, ...]) -> None:
+    if any(not isinstance(e, tuple) or len(e) != 2 for e in value):
+        raise InvalidConfigError("lora_modules", value, "must be (name, path) pairs")
+    names = [name for name, _ in value]
+    if len(set(names)) != len(names):
+        raise InvalidConfigError("lora_modules", names, "names must be unique")
+
+
 @attrs.frozen(kw_only=True)
 class ServerOptions:
     """How the HTTP server guards itself; immutable, checked at construction.
@@ -85,6 +93,10 @@ class ServerOptions:
         reasoning_parser: The model's reasoning format (a name in
             :data:`~pipeline.server.reasoning.REASONING_PARSERS`), which splits chat's
             ``reasoning_content`` from ``content``; ``None``: no split.
+        lora_modules: LoRA adapters served from the start, as ``(name, path)`` pairs
+            (``--lora-modules name=path``); each is served as a model of that name
+            (:mod:`pipeline.server.lora`). Given any, the engine runs with
+            ``enable_lora``.
     """
 
     api_key: str | None = attrs.field(default=None, repr=False, validator=_api_key)
@@ -99,6 +111,9 @@ class ServerOptions:
     max_prompt_logprobs: int = attrs.field(default=100_000, validator=_int_at_least(1))
     tool_call_parser: str | None = attrs.field(default=None, validator=_parser_name)
     reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name)
+    lora_modules: tuple[tuple[str, str], ...] = attrs.field(
+        default=(), converter=tuple, validator=_lora_modules
+    )
 
     @classmethod
     def from_env(cls, **fields: Any) -> ServerOptions:

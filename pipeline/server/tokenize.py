@@ -95,9 +95,10 @@ async def _read(request: Request, fields: set[str]) -> tuple[ServerState, Any]:
             name = key[:64].encode("utf-8", "backslashreplace").decode("utf-8")
             raise InvalidRequestError(name, "...", "is not a field of this route")
     model = body.get("model")
-    if model is not None and model != state.model_name:
+    if model is not None and model != state.model_name and model not in state.loras:
         shown = model[:80] if isinstance(model, str) else _kind(model)
-        message = f"model {shown!r} is not served; the served model is {state.model_name!r}"
+        served = ", ".join(repr(n) for n in (state.model_name, *state.loras.names()))
+        message = f"model {shown!r} is not served; the served models are {served}"
         error = error_body(message, "not_found_error", "model_not_found", "model")
         return state, JSONResponse(error, status_code=404)
     return state, body
