@@ -270,3 +270,44 @@ class TestSpeculativeDecodingBlock:
         with n-gram drafts gives the tokens of the one without."""
         out = run_python_block(readme_block('"method": "ngram"', "python"), tmp_path)
         assert out.strip() == "same tokens"
+
+
+class TestLoRABlocks:
+    """The "LoRA adapters" blocks, typed as is, with a peft adapter of the embedded
+    model at ``./sql-adapter`` (what the user brings)."""
+
+    @pytest.fixture
+    def adapter_dir(self, tmp_path: Path) -> tuple[Path, Path]:
+        from lora_adapters import ADAPTERS, build_adapter
+
+        from stages.model.builtin import resolve_model_path
+
+        base = Path(resolve_model_path("builtin:tiny"))
+        return base, build_adapter(base, tmp_path / "sql-adapter", **ADAPTERS["qv"])
+
+    def test_the_python_block(self, adapter_dir: tuple[Path, Path], tmp_path: Path) -> None:
+        """The block's adapter changes the greedy tokens of its row only."""
+        out = run_python_block(readme_block('LoRARequest("sql"', "python"), tmp_path)
+        assert out.strip() == "True"
+
+    def test_the_serve_block(self, adapter_dir: tuple[Path, Path], tmp_path: Path) -> None:
+        """``--lora-modules sql=./sql-adapter``: ``model: "sql"`` gets the adapter's
+        tokens (transformers + peft), the base model's name the base model's."""
+        from lora_adapters import peft_greedy
+
+        base, adapter = adapter_dir
+        prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+        url = "http://127.0.0.1:8000"
+        with run_block(readme_block("--lora-modules sql=./sql-adapter"), tmp_path) as block:
+            block.wait_healthy(url)
+            got = {}
+            for model in ("sql", "builtin:tiny"):
+                body = {"model": model, "prompt": prompt, "max_tokens": 6, "min_tokens": 6,
+                        "temperature": 0, "return_token_ids": True}  # fmt: skip
+                response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+                assert response.status_code == 200, response.text + block.tail()
+                got[model] = response.json()["choices"][0]["token_ids"]
+            models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == ["builtin:tiny", "sql"]
+        assert got["sql"] == peft_greedy(base, adapter, prompt, 6)
+        assert got["builtin:tiny"] == peft_greedy(base, None, prompt, 6)
