@@ -54,7 +54,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 GEMMA3_ROPE_TYPES = ("default", "linear")
 """The rope types checked against transformers' Gemma 3 (per layer type); others refused."""
 GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
-"""Gemma 3's ``hidden_activation``\ s: GELU, tanh-approximated or exact."""
+"""Gemma 3's ``hidden_activation`` values: GELU, tanh-approximated or exact."""
 
 # Keys of a rope dict that are not scaling parameters.
 _ROPE_META_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
@@ -317,9 +317,13 @@ def _gemma3(data: dict[str, Any], path: object) -> dict[str, Any]:
         raise ModelLoadError(path, f"sliding_window={window!r} must be a positive integer")
     full, local = _gemma3_ropes(data, path)
     cap = data.get("final_logit_softcapping")
+    eos = data.get("eos_token_id", 1)
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
     return {
         "layer_style": "gemma3",
         "hidden_act": act,
+        "num_key_value_heads": int(data.get("num_key_value_heads") or 4),
+        "eos_token_ids": tuple(int(e) for e in eos_ids),
         "head_dim": int(data.get("head_dim") or 256),
         "max_position_embeddings": int(data.get("max_position_embeddings", 131_072)),
         "tie_word_embeddings": bool(data.get("tie_word_embeddings", True)),
