@@ -116,14 +116,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_hidden_layers": 4,
             "head_dim": 32,
             "sliding_window": 16,
-            "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
-                            "full_attention"],
+            "layer_types": [
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
             "query_pre_attn_scalar": 64,
             "hidden_activation": "gelu",
             "final_logit_softcapping": 2.0,
             "tie_word_embeddings": False,
         },
-    ),  # fmt: skip
+    ),
     "rope_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "rope_llama3": (
         "llama",

@@ -143,6 +143,7 @@ class TestSlidingWindowMetadata:
     def test_equal_length_decodes_slice_keys_to_the_window(self) -> None:
         """Decodes sharing a context length keep no mask and start at the window's first
         key; within the window nothing changes."""
+
         def decode_of(context: int, window: int) -> tuple[int, int | None, bool]:
             meta = build_attention_metadata(
                 query_lens=[1, 1], context_lens=[context] * 2, block_tables=[[0, 1], [2, 3]],

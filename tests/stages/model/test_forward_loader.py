@@ -11,12 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-import attrs
-import msgspec
 
 from connectors import ModelFingerprint
 from pipeline.errors import ModelLoadError
