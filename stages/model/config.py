@@ -221,8 +221,10 @@ class ModelConfig:
         """Parse a ``config.json`` dict.
 
         Raises:
-            ModelLoadError: Unknown architecture, a missing required field, or an
-                unsupported rope type; the message names ``path`` and the value.
+            ModelLoadError: Unknown architecture, a missing required field, an
+                unsupported rope type, or a setting the layers do not compute (an
+                activation other than SiLU; for Gemma 3 those :func:`_gemma3` lists);
+                the message names ``path`` and the field's value.
         """
         archs = data.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
