@@ -49,6 +49,10 @@ class ModelFingerprint:
         kv_heads: KV heads this rank's cache holds; 0 when unknown. A tensor-parallel
             shard holds a slice of the heads while an in-process rank holds them all, so
             their keys differ and KV is never loaded into a layout it was not made by.
+        layer_pattern: Which layers attend through a sliding window, and its length
+            (``ModelConfig.layer_pattern``, e.g. ``"SSSSSF:512"``); ``""`` when none
+            does. A block's KV depends on it, so a block computed under one pattern
+            never loads into a model of another.
     """
 
     architecture: str
@@ -58,17 +62,20 @@ class ModelFingerprint:
     tp_rank: int = 0
     tp_size: int = 1
     kv_heads: int = 0
+    layer_pattern: str = ""
 
     def key(self) -> str:
         """A short stable string for storage keys (hex digest of the fields).
 
-        ``kv_heads=0`` (unknown) is left out, so such a key is what it was before the
-        field existed.
+        ``kv_heads=0`` (unknown) and ``layer_pattern=""`` (no sliding layer) are left
+        out, so such a key is what it was before the field existed.
         """
         import hashlib
 
         fields = attrs.astuple(self)
-        raw = msgspec.msgpack.encode(fields if self.kv_heads else fields[:-1])
+        if not self.layer_pattern:
+            fields = fields[:-1] if self.kv_heads else fields[:-2]
+        raw = msgspec.msgpack.encode(fields)
         return hashlib.sha256(raw).hexdigest()[:32]
 
 

@@ -27,6 +27,15 @@ TINY = {
                       mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False,
                       use_sliding_window=False, **_SPECIAL),
     "qwen2": dict(_SHAPE, tie_word_embeddings=True, use_sliding_window=False),
+    # Prompts longer than the window; a softmax scale that is not head_dim's; each layer
+    # type with its own rope (the full layers' linearly scaled).
+    "gemma3": dict(_SHAPE, num_hidden_layers=3, head_dim=16, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   query_pre_attn_scalar=24,
+                   rope_parameters={
+                       "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                          "rope_theta": 100_000.0},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0}}),
 }  # fmt: skip
 
 
@@ -38,7 +47,11 @@ def build_checkpoint(kind: str, path: Path, seed: int = 0, **overrides: Any) -> 
 
 
 def build_hf_model(kind: str, seed: int = 0, *, base: dict[str, Any], **overrides: Any) -> Any:
-    """A random float32 transformers model with weights large enough to matter."""
+    """A random float32 transformers model with weights large enough to matter.
+
+    Norm weights are ``1 + 0.1 * randn``; Gemma's, which scale by ``1 + weight``, are
+    ``0.1 * randn`` (the same scales).
+    """
     import torch
     import transformers
 
@@ -50,13 +63,15 @@ def build_hf_model(kind: str, seed: int = 0, *, base: dict[str, Any], **override
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model: Any = model_cls(config_cls(**{**base, **overrides})).to(torch.float32).eval()
+    offset = 0.0 if kind == "gemma3" else 1.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                param.copy_(offset + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.1)
     return model

@@ -15,7 +15,12 @@ from pipeline.device_sync import (
     DeviceSync,
     make_device_sync,
 )
-from stages.model.attention import AttentionMetadata, build_attention_metadata, paged_attention
+from stages.model.attention import (
+    AttentionMetadata,
+    build_attention_metadata,
+    paged_attention,
+    sliding_window_metadata,
+)
 from stages.model.builtin import BUILTIN_MODELS, resolve_model_path
 from stages.model.checkpoint import LoadedModel, load_model
 from stages.model.config import (
@@ -77,4 +82,5 @@ __all__ = [
     "paged_attention",
     "request_seed",
     "resolve_model_path",
+    "sliding_window_metadata",
 ]

@@ -5,6 +5,12 @@ layers need (slot mapping, block gathers, masks), so each layer's
 :func:`paged_attention` only writes the new K/V into the cache and calls
 ``scaled_dot_product_attention``: once for all decode requests together (one padded,
 batched call) and once per prefill chunk. Nothing loops over tokens in Python.
+
+A model with sliding-window layers (Gemma 3) derives a second metadata from the step's,
+once per step, with :func:`sliding_window_metadata`: the same slots and block tables,
+each query's keys cut to its window. Sliding layers keep every block of their context
+(nothing is freed when it leaves the window; the cut is a mask or a key slice), so the
+blocks, prefix caching and connectors are those of a full layer.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ __all__ = [
     "PrefillChunk",
     "build_attention_metadata",
     "paged_attention",
+    "sliding_window_metadata",
     "write_kv",
 ]
 
@@ -42,6 +49,8 @@ class DecodeBatch:
             would change the reduction's association and flip roundings.
         mask: ``[n, 1, 1, max_blocks * block_size]``, True where a key is in context;
             ``None`` when ``seq_len`` is set.
+        key_start: The first key attended to when ``seq_len`` is set (keys
+            ``[key_start, seq_len)``): 0, or where a sliding window starts.
     """
 
     token_rows: torch.Tensor
@@ -49,6 +58,7 @@ class DecodeBatch:
     block_table: torch.Tensor
     seq_len: int | None
     mask: torch.Tensor | None
+    key_start: int = 0
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -189,6 +199,47 @@ def build_attention_metadata(
     )
 
 
+def sliding_window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """``meta`` for a sliding-window layer: a query at position ``p`` sees keys
+    ``p - window < j <= p`` (transformers' ``sliding_window_overlay``: the window counts
+    the query itself).
+
+    Called once per step (not per layer), only by models with sliding layers. Decode
+    requests that share a context length slice their keys to the window (no mask, the
+    keys transformers' sliding cache holds); otherwise the decode mask also cuts keys
+    older than each row's window. A prefill chunk whose sequence fits in the window is
+    unchanged; a longer one gets a ``[L, seq_len]`` band mask. Tensor ops on ``meta``'s
+    device only, no host synchronisation (a captured decode graph runs it). Pure
+    function; the result shares ``meta``'s slots and block tables.
+    """
+    decode = meta.decode
+    if decode is not None:
+        if decode.seq_len is not None:
+            if decode.seq_len > window:
+                decode = attrs.evolve(decode, key_start=decode.seq_len - window)
+        else:
+            assert decode.mask is not None
+            n, first = decode.token_rows.shape[0], decode.first_row
+            pos = (meta.positions[first : first + n] if first is not None
+                   else meta.positions.index_select(0, decode.token_rows))  # fmt: skip
+            keys = torch.arange(decode.mask.shape[-1], device=pos.device)
+            recent = keys[None, :] > (pos[:, None] - window)
+            decode = attrs.evolve(decode, mask=decode.mask & recent[:, None, None, :])
+    device = meta.positions.device
+    prefills = tuple(
+        chunk if chunk.seq_len <= window else attrs.evolve(chunk, mask=_band(chunk, window, device))
+        for chunk in meta.prefills
+    )
+    return attrs.evolve(meta, decode=decode, prefills=prefills)
+
+
+def _band(chunk: PrefillChunk, window: int, device: torch.device) -> torch.Tensor:
+    """``[L, seq_len]``: True where key ``j`` is in query ``i``'s window, causally."""
+    queries = torch.arange(chunk.context_len, chunk.seq_len, device=device)[:, None]
+    keys = torch.arange(chunk.seq_len, device=device)[None, :]
+    return (keys <= queries) & (keys > queries - window)
+
+
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
 ) -> None:
@@ -266,7 +317,8 @@ def _decode(
     v = kv_cache[1].index_select(0, flat).view(n, -1, kv_heads, head_dim).transpose(1, 2)
     if batch.seq_len is not None:
         # Exactly the context, as transformers calls it: [n, heads, 1, head_dim] queries.
-        k, v = k[:, :, : batch.seq_len], v[:, :, : batch.seq_len]
+        start, end = batch.key_start, batch.seq_len
+        k, v = k[:, :, start:end], v[:, :, start:end]
         q = q.view(n, num_heads, 1, head_dim)
         o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=kv_heads != num_heads)
     else:

@@ -7,10 +7,14 @@ embedding) and ``Phi3ForCausalLM`` (Llama's layers, with q/k/v and gate/up store
 matrix each, split when loaded: :mod:`~stages.model.checkpoint`), and
 ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` (a top-k routed mixture of SwiGLU
 experts in place of the MLP, in every layer or in those Qwen3-MoE's
-``decoder_sparse_step``/``mlp_only_layers`` say: :mod:`~stages.model.moe`). Rotary
+``decoder_sparse_step``/``mlp_only_layers`` say: :mod:`~stages.model.moe`), and Gemma 3's
+text model ``Gemma3ForCausalLM`` (``model_type: gemma3_text``: sliding-window and full
+layers, each kind with its own rotary embedding, Gemma's ``(1 + weight)`` RMSNorms
+around both blocks, GeGLU, scaled embeddings: :mod:`~stages.model.gemma3`). Rotary
 embeddings on part of a head (``partial_rotary_factor`` below 1) are refused. Both the
-transformers 4 layout (``rope_theta`` + ``rope_scaling``) and the transformers 5 layout
-(``rope_parameters``) of the rotary-embedding settings are accepted.
+transformers 4 layout (``rope_theta`` + ``rope_scaling``; Gemma 3's
+``rope_local_base_freq``) and the transformers 5 layout (``rope_parameters``, per layer
+type for Gemma 3) of the rotary-embedding settings are accepted.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import attrs
 from pipeline.errors import ModelLoadError
 
 __all__ = [
+    "GEMMA3_ACTIVATIONS",
+    "GEMMA3_ROPE_TYPES",
+    "LAYER_TYPES",
     "ROPE_TYPES",
     "SUPPORTED_ARCHITECTURES",
     "ModelConfig",
@@ -39,8 +46,15 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma3ForCausalLM",
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Gemma 3's ``layer_types``: a layer attends to its whole context, or to its window."""
+GEMMA3_ROPE_TYPES = ("default", "linear")
+"""The rope types checked against transformers' Gemma 3 (per layer type); others refused."""
+GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+"""Gemma 3's ``hidden_activation`` values: GELU, tanh-approximated or exact."""
 
 # Keys of a rope dict that are not scaling parameters.
 _ROPE_META_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
@@ -98,7 +112,25 @@ class ModelConfig:
         sparse_layers: The layers whose MLP is a mixture of experts.
         qk_norm: Each query and key head is RMS-normed over its width before the
             rotary embedding (Qwen3's ``q_norm``/``k_norm``).
-        sliding_window: Sliding-window length, ``None`` when the model uses none.
+        sliding_window: Sliding-window length, ``None`` when the model uses none. Only
+            the layers ``layer_types`` marks ``sliding_attention`` apply it (a query at
+            position ``p`` sees keys ``p - sliding_window < j <= p``); without
+            ``layer_types`` (Mistral, Qwen2) it is refused below ``max_model_len``.
+        layer_style: ``"llama"``: pre-norm residual blocks, RMSNorm ``x * w``, SwiGLU.
+            ``"gemma3"``: Gemma's RMSNorm ``x * (1 + w)`` (in float32, cast after),
+            before and after each block (input, post-attention, pre- and
+            post-feedforward norms, the output normed before the residual add), a
+            gated MLP of ``hidden_act``, embeddings scaled by ``sqrt(hidden_size)``.
+        hidden_act: The gated MLP's activation: ``"silu"`` (SwiGLU) or one of
+            :data:`GEMMA3_ACTIVATIONS` (GeGLU, Gemma 3 only).
+        query_pre_attn_scalar: Softmax scale ``query_pre_attn_scalar ** -0.5`` (Gemma 3);
+            ``None``: ``head_dim ** -0.5``.
+        final_logit_softcapping: Logits become ``tanh(logits / cap) * cap``; ``None``:
+            no cap.
+        layer_types: Each layer's :data:`LAYER_TYPES` entry (Gemma 3); empty: every
+            layer attends to its whole context.
+        sliding_rope: The rotary embedding of the ``sliding_attention`` layers (``rope``
+            is the full layers'); ``None``: ``rope`` for every layer.
         eos_token_ids: End-of-sequence token ids (``config.json`` may give one or a list).
         torch_dtype: The dtype the checkpoint was saved in, as a string, if stated.
     """
@@ -126,8 +158,35 @@ class ModelConfig:
     sparse_layers: tuple[int, ...] = ()
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_style: str = "llama"
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_rope: RopeConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of every layer's attention."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """The layers that attend only to their last ``sliding_window`` positions."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "sliding_attention")
+
+    @property
+    def layer_pattern(self) -> str:
+        """Which layers slide, as a string for the model fingerprint: ``"SSF:512"`` is two
+        sliding layers then a full one, window 512; ``""`` when no layer slides (the KV a
+        block holds depends on it: a block made under one pattern never loads into
+        another)."""
+        if not self.sliding_layers:
+            return ""
+        kinds = "".join("S" if kind == "sliding_attention" else "F" for kind in self.layer_types)
+        return f"{kinds}:{self.sliding_window}"
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -144,8 +203,11 @@ class ModelConfig:
 
         Raises:
             ModelLoadError: The model uses a sliding window shorter than
-                ``max_model_len`` (sliding-window attention is not implemented).
+                ``max_model_len`` in every layer (Mistral, Qwen2: sliding-window
+                attention is implemented for the layers ``layer_types`` names only).
         """
+        if self.sliding_layers:
+            return
         if self.sliding_window is not None and self.sliding_window < max_model_len:
             raise ModelLoadError(
                 path,
@@ -159,8 +221,10 @@ class ModelConfig:
         """Parse a ``config.json`` dict.
 
         Raises:
-            ModelLoadError: Unknown architecture, a missing required field, or an
-                unsupported rope type; the message names ``path`` and the value.
+            ModelLoadError: Unknown architecture, a missing required field, an
+                unsupported rope type, or a setting the layers do not compute (an
+                activation other than SiLU; for Gemma 3 those :func:`_gemma3` lists);
+                the message names ``path`` and the field's value.
         """
         archs = data.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -182,8 +246,9 @@ class ModelConfig:
             raise ModelLoadError(
                 path, f"config.json lacks required field {exc.args[0]!r}"
             ) from None
+        gemma3 = arch == "Gemma3ForCausalLM"
         act = data.get("hidden_act", "silu")
-        if act != "silu":
+        if not gemma3 and act != "silu":
             raise ModelLoadError(path, f"hidden_act={act!r} is unsupported (SwiGLU: silu)")
         head_dim = data.get("head_dim") or hidden // heads
         qwen2 = arch == "Qwen2ForCausalLM"
@@ -194,26 +259,112 @@ class ModelConfig:
             sliding = None
         eos = data.get("eos_token_id")
         eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        return cls(
+        fields.update(
             architecture=arch,
             hidden_size=hidden,
             num_attention_heads=heads,
             num_key_value_heads=int(data.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(data, path),
             max_position_embeddings=int(data.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             attention_bias=qwen2 or attention_bias,
             o_proj_bias=attention_bias and not qwen2,
             mlp_bias=bool(data.get("mlp_bias", False)),
             qk_norm=qwen3,
-            **_experts(arch, data, path),
             sliding_window=None if sliding is None else int(sliding),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
-            **fields,
         )
+        fields.update(_gemma3(data, path) if gemma3 else {"rope": _parse_rope(data, path)})
+        return cls(**fields, **_experts(arch, data, path))
+
+
+def _gemma3(data: dict[str, Any], path: object) -> dict[str, Any]:
+    """The fields of a Gemma 3 text config, with transformers' ``Gemma3TextConfig``
+    defaults; ``layer_types`` derived from ``sliding_window_pattern`` (default 6: every
+    sixth layer full) when absent, as transformers derives it.
+
+    Raises:
+        ModelLoadError: A setting the layers do not compute: ``attn_logit_softcapping``
+            (attention runs on ``scaled_dot_product_attention``, which cannot cap
+            scores), ``use_bidirectional_attention``, an activation outside
+            :data:`GEMMA3_ACTIVATIONS`, a rope type outside :data:`GEMMA3_ROPE_TYPES`,
+            bad ``layer_types`` or a sliding window that is not a positive integer.
+    """
+    for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if data.get(name):
+            raise ModelLoadError(path, f"{name}={data[name]!r} is unsupported (only null/false)")
+    act = data.get("hidden_activation") or data.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GEMMA3_ACTIVATIONS:
+        raise ModelLoadError(
+            path, f"hidden_activation={act!r} is unsupported; supported: "
+            f"{', '.join(GEMMA3_ACTIVATIONS)}",
+        )  # fmt: skip
+    layers = int(data["num_hidden_layers"])
+    kinds = data.get("layer_types")
+    if kinds is None:
+        pattern = int(data.get("sliding_window_pattern", 6))
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]  # fmt: skip
+    if len(kinds) != layers or any(kind not in LAYER_TYPES for kind in kinds):
+        raise ModelLoadError(
+            path, f"layer_types={kinds!r} must give one of {', '.join(LAYER_TYPES)} for "
+            f"each of the {layers} layers",
+        )  # fmt: skip
+    window = data.get("sliding_window", 4096)
+    if "sliding_attention" not in kinds:
+        window = None
+    elif not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelLoadError(path, f"sliding_window={window!r} must be a positive integer")
+    full, local = _gemma3_ropes(data, path)
+    cap = data.get("final_logit_softcapping")
+    eos = data.get("eos_token_id", 1)
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    return {
+        "layer_style": "gemma3",
+        "hidden_act": act,
+        "num_key_value_heads": int(data.get("num_key_value_heads") or 4),
+        "eos_token_ids": tuple(int(e) for e in eos_ids),
+        "head_dim": int(data.get("head_dim") or 256),
+        "max_position_embeddings": int(data.get("max_position_embeddings", 131_072)),
+        "tie_word_embeddings": bool(data.get("tie_word_embeddings", True)),
+        "qk_norm": True,
+        "query_pre_attn_scalar": float(data.get("query_pre_attn_scalar", 256)),
+        "final_logit_softcapping": None if cap is None else float(cap),
+        "layer_types": tuple(kinds),
+        "sliding_window": window,
+        "rope": full,
+        "sliding_rope": local,
+    }
+
+
+def _gemma3_ropes(data: dict[str, Any], path: object) -> tuple[RopeConfig, RopeConfig]:
+    """The full and sliding layers' rope settings, as ``Gemma3TextConfig`` reads them:
+    ``rope_parameters`` per layer type, else ``rope_theta`` (default 1e6) and
+    ``rope_scaling`` for the full layers and ``rope_local_base_freq`` (default 1e4) for
+    the sliding ones."""
+    params = data.get("rope_parameters") or {}
+    if not isinstance(params, dict) or not set(params) <= set(LAYER_TYPES):
+        raise ModelLoadError(
+            path, f"rope_parameters={params!r} must map {' and '.join(LAYER_TYPES)} to "
+            "their rope settings",
+        )  # fmt: skip
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    full.update(data.get("rope_scaling") or {})
+    full.setdefault("rope_theta", data.get("rope_theta") or 1_000_000.0)
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    local.setdefault("rope_theta", data.get("rope_local_base_freq") or 10_000.0)
+    ropes = []
+    for kind, rope in (("full_attention", full), ("sliding_attention", local)):
+        config = _rope_config(rope, data, path)
+        if config.rope_type not in GEMMA3_ROPE_TYPES:
+            raise ModelLoadError(
+                path, f"rope_type={config.rope_type!r} of the {kind} layers is unsupported "
+                f"for Gemma 3; supported: {', '.join(GEMMA3_ROPE_TYPES)}",
+            )  # fmt: skip
+        ropes.append(config)
+    return ropes[0], ropes[1]
 
 
 def _experts(arch: str, data: dict[str, Any], path: object) -> dict[str, Any]:
@@ -253,6 +404,12 @@ def _parse_rope(data: dict[str, Any], path: object) -> RopeConfig:
         raise ModelLoadError(path, f"rope settings {rope!r} must be a JSON object")
     if rope and all(isinstance(v, dict) for v in rope.values()):
         raise ModelLoadError(path, "per-layer-type rope parameters are unsupported")
+    return _rope_config(rope, data, path)
+
+
+def _rope_config(rope: dict[str, Any], data: dict[str, Any], path: object) -> RopeConfig:
+    """The :class:`RopeConfig` of one rope settings object (``rope_theta`` falls back to
+    the config's, then 10000)."""
     partial = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ModelLoadError(

@@ -8,6 +8,7 @@ hold this rank's slice (see :mod:`stages.model.parallel`); parameter names stay 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +27,8 @@ __all__ = [
     "Attention",
     "AttentionRefs",
     "DecoderLayer",
+    "GELU_APPROXIMATIONS",
+    "GemmaRMSNorm",
     "LayerHooks",
     "MLPRefs",
     "Projection",
@@ -33,6 +36,8 @@ __all__ = [
     "RMSNorm",
     "attend",
     "forget_references",
+    "geglu",
+    "gemma_rms_norm",
     "rms_norm",
     "swiglu",
 ]
@@ -75,8 +80,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return h.to(dtype).mul_(weight)  # a fresh tensor: weight * h without another temporary
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's root-mean-square norm: ``x`` normed and multiplied by ``1 + weight``, both
+    in float32, then cast to ``x``'s dtype (as transformers' ``Gemma3RMSNorm``: the
+    product is rounded once, where Llama's rounds the normed ``x`` first)."""
+    return rms_norm(x.float(), weight.float() + 1.0, eps).to(x.dtype)
+
+
+NormFunction = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""``(x, weight, eps) -> normed x``: :func:`rms_norm` or :func:`gemma_rms_norm`."""
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as Hugging Face Llama does."""
+    """Root-mean-square norm computed in float32, as Hugging Face Llama does.
+
+    ``function`` is the norm it computes (the layers call it on the weight directly).
+    """
+
+    function: NormFunction = staticmethod(rms_norm)
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -84,7 +105,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.function(x, self.weight, self.eps)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x * (1 + weight)`` in float32 (:func:`gemma_rms_norm`); the
+    stored weight is the offset from one."""
+
+    function: NormFunction = staticmethod(gemma_rms_norm)
 
 
 _ASSIGNMENTS = [0]
@@ -131,8 +159,9 @@ def _project(p: Projection, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-QKNorm = tuple[torch.Tensor, torch.Tensor, float]
-"""Qwen3's per-head query and key RMSNorm weights and their epsilon."""
+QKNorm = tuple[torch.Tensor, torch.Tensor, float, NormFunction]
+"""The per-head query and key RMSNorm weights, their epsilon and the norm (Qwen3's
+:func:`rms_norm`, Gemma 3's :func:`gemma_rms_norm`)."""
 
 AttentionRefs = tuple[
     Projection, Projection | None, Projection | None, Projection, int, int, int, float, int,
@@ -174,9 +203,9 @@ def attend(
     else:
         q_x, k_x, v_x = _project(q_p, x), _project(k_p, x), _project(v_p, x)
     q_h, k_h = q_x.view(t, heads, head_dim), k_x.view(t, kv_heads, head_dim)
-    if qk_norm is not None:  # Qwen3: each head normed over its width, before the rotation
-        q_w, k_w, eps = qk_norm
-        q_h, k_h = rms_norm(q_h, q_w, eps), rms_norm(k_h, k_w, eps)
+    if qk_norm is not None:  # Qwen3, Gemma 3: each head normed over its width, then rotated
+        q_w, k_w, eps, norm = qk_norm
+        q_h, k_h = norm(q_h, q_w, eps), norm(k_h, k_w, eps)
     q = apply_rotary(q_h, *rope)
     k = apply_rotary(k_h, *rope)
     v = v_x.view(t, kv_heads, head_dim)
@@ -204,6 +233,18 @@ def swiglu(refs: MLPRefs, x: torch.Tensor, residual: torch.Tensor | None = None)
     return _onto(down_p, h, residual)
 
 
+def geglu(refs: MLPRefs, x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``down(gelu(gate(x)) * up(x))`` (Gemma's MLP; ``approximate``: ``"tanh"`` or
+    ``"none"``, as ``F.gelu`` takes it)."""
+    gate_p, up_p, down_p = refs
+    if up_p is None:  # one GEMM for both: its columns are gate | up
+        gate, up = _project(gate_p, x).chunk(2, -1)
+        h = torch.mul(F.gelu(gate, approximate=approximate), up)
+    else:
+        h = F.gelu(_project(gate_p, x), approximate=approximate).mul_(_project(up_p, x))
+    return _project(down_p, h)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache.
 
@@ -218,7 +259,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads // tp.size
         self.num_kv_heads = max(1, config.num_key_value_heads // tp.size)  # >= 1: replicated
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
         hidden, hd = config.hidden_size, config.head_dim
         bias = config.attention_bias
         self.q_proj = nn.Linear(hidden, self.num_heads * hd, bias=bias)
@@ -228,8 +269,9 @@ class Attention(nn.Module):
             self.num_heads * hd, hidden, bias=config.o_proj_bias, tp=tp
         )
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+            norm = GemmaRMSNorm if config.layer_style == "gemma3" else RMSNorm
+            self.q_norm = norm(hd, config.rms_norm_eps)
+            self.k_norm = norm(hd, config.rms_norm_eps)
 
     def refs(self) -> AttentionRefs:
         """The tensors and sizes :func:`attend` reads."""
@@ -242,7 +284,7 @@ class Attention(nn.Module):
         q_norm, k_norm = self._modules.get("q_norm"), self._modules.get("k_norm")
         qk_norm = None
         if isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm):
-            qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
+            qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.function)
         return (q, k, v, _projection(self.o_proj), self.num_heads, self.num_kv_heads,
                 self.head_dim, self.scale, self.layer, qk_norm)  # fmt: skip
 
@@ -257,8 +299,13 @@ class Attention(nn.Module):
         return attend(self.refs(), x, rope, meta, kv_cache, hooks)
 
 
+GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+"""``F.gelu``'s ``approximate`` of each GeGLU ``hidden_act`` (transformers' ``ACT2FN``)."""
+
+
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``.
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; GeGLU (:func:`geglu`) when the config's
+    ``hidden_act`` is a GELU (Gemma 3).
 
     Sharded: gate/up hold ``intermediate_size // tp.size`` output channels, ``down_proj``
     the matching input columns and all-reduces its output.
@@ -266,6 +313,7 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        self.approximate = GELU_APPROXIMATIONS.get(config.hidden_act)  # None: SiLU
         hidden, bias = config.hidden_size, config.mlp_bias
         inter = config.intermediate_size // tp.size
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
@@ -273,13 +321,15 @@ class MLP(nn.Module):
         self.down_proj = row_parallel_linear(inter, hidden, bias=bias, tp=tp)
 
     def refs(self) -> MLPRefs:
-        """The projections :func:`swiglu` reads."""
+        """The projections :func:`swiglu` (or :func:`geglu`) reads."""
         gate_up = self._modules.get("gate_up_proj")
         if gate_up is not None:
             return gate_up, None, _projection(self.down_proj)
         return _projection(self.gate_proj), _projection(self.up_proj), _projection(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.approximate is not None:
+            return geglu(self.refs(), x, self.approximate)
         return swiglu(self.refs(), x)
 
 
@@ -297,6 +347,9 @@ class DecoderLayer(nn.Module):
     ``copy_``, ``load_state_dict``) reach them directly.
     """
 
+    norm_class: type[RMSNorm] = RMSNorm
+    """The class of the layer's norms (a subclass's may differ)."""
+
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer, tp)
@@ -306,21 +359,25 @@ class DecoderLayer(nn.Module):
             self.block_sparse_moe = SparseMoE(config, tp)
         else:
             self.add_module("mlp", SparseMoE(config, tp))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self._refs_cache: tuple[int, tuple[Any, ...]] | None = None
 
     def _refs(self) -> tuple[Any, ...]:
         cache = self._refs_cache
         if cache is not None and cache[0] == _ASSIGNMENTS[0]:
             return cache[1]
+        refs = self._collect_refs()
+        self._refs_cache = (_ASSIGNMENTS[0], refs)
+        return refs
+
+    def _collect_refs(self) -> tuple[Any, ...]:
+        """The references :meth:`forward` reads (taken again when stale)."""
         norm, post = self.input_layernorm, self.post_attention_layernorm
         mlp = self._modules.get("block_sparse_moe") or self._modules["mlp"]
         assert isinstance(mlp, (MLP, SparseMoE))
-        refs = (norm.weight, norm.eps, self.self_attn.refs(), post.weight, post.eps,
+        return (norm.weight, norm.eps, self.self_attn.refs(), post.weight, post.eps,
                 mlp if isinstance(mlp, SparseMoE) else mlp.refs())  # fmt: skip
-        self._refs_cache = (_ASSIGNMENTS[0], refs)
-        return refs
 
     def _apply(self, fn: Any, recurse: bool = True) -> DecoderLayer:
         self._refs_cache = None  # a conversion may put new parameters in place

@@ -7,6 +7,9 @@ checkpoints load without renaming. The forward pass takes a flat batch of tokens
 several requests (prefill chunks and decode tokens mixed) and a paged KV cache. Built with
 a sharded :class:`~stages.model.parallel.TensorParallel`, each rank holds its slice of
 the attention and MLP weights under the same names (see :mod:`stages.model.parallel`).
+Gemma 3 (``config.layer_style == "gemma3"``) runs its own layers
+(:mod:`stages.model.gemma3`), scales the embeddings by ``sqrt(hidden_size)`` and gives
+each sliding layer the step's windowed metadata and its own rotary table.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.model.attention import AttentionMetadata
+from stages.model.attention import AttentionMetadata, sliding_window_metadata
 from stages.model.config import ModelConfig
-from stages.model.layers import DecoderLayer, LayerHooks, RMSNorm, rms_norm
+from stages.model.gemma3 import Gemma3DecoderLayer
+from stages.model.layers import DecoderLayer, GemmaRMSNorm, LayerHooks, RMSNorm
 from stages.model.parallel import (
     UNSHARDED,
     TensorParallel,
@@ -48,11 +52,13 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        gemma3 = config.layer_style == "gemma3"
         self.embed_tokens = _CheckpointEmbedding(config.vocab_size, config.hidden_size)
+        layer_class = Gemma3DecoderLayer if gemma3 else DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
+            layer_class(config, i, tp) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = (GemmaRMSNorm if gemma3 else RMSNorm)(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
@@ -70,11 +76,17 @@ class CausalLM(nn.Module):
     vocabulary (:func:`~stages.model.parallel.vocab_parallel`; a tied ``lm_head`` uses
     its rows of the embeddings), and every rank gets the full logits.
 
+    Sliding-window layers (Gemma 3's ``sliding_attention``) attend through
+    :func:`~stages.model.attention.sliding_window_metadata` of the step's metadata,
+    derived once per forward pass (only when the model has such layers), and rotate
+    with ``sliding_rotary``; they keep every block of their context.
+
     Raises:
         InvalidConfigError: ``tp.size`` does not divide the model's heads or MLP width.
     """
 
     rotary: RotaryEmbedding
+    sliding_rotary: RotaryEmbedding
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
@@ -83,6 +95,15 @@ class CausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = DecoderModel(config, tp)
+        # Per layer, whether it slides; None when none does (the plain loop runs).
+        sliding = config.sliding_layers
+        self._sliding: tuple[bool, ...] | None = (
+            tuple(i in sliding for i in range(config.num_hidden_layers)) if sliding else None
+        )
+        # sqrt(hidden_size) rounded to each dtype seen (Gemma 3), else None.
+        self._embed_scales: dict[torch.dtype, float] | None = (
+            {} if config.layer_style == "gemma3" else None
+        )
         self.vocab_parallel = vocab_parallel(config, tp)
         shard = config.vocab_size // tp.size if self.vocab_parallel else config.vocab_size
         # The rows of a tied lm_head's (full) weight this rank computes, else None.
@@ -98,6 +119,9 @@ class CausalLM(nn.Module):
     def init_rope(self, max_len: int, device: torch.device) -> None:
         """Create the cos/sin table for positions ``[0, max_len)`` on ``device``."""
         self.rotary = RotaryEmbedding(self.config, max_len, device)
+        if self._sliding is not None:
+            rope = self.config.sliding_rope
+            self.sliding_rotary = RotaryEmbedding(self.config, max_len, device, rope=rope)
 
     def tie_weights(self) -> None:
         """Re-point ``lm_head`` at the embeddings (after weights were assigned)."""
@@ -125,11 +149,35 @@ class CausalLM(nn.Module):
         """
         model = self.model
         h = F.embedding(input_ids, model.embed_tokens.weight)
+        if self._embed_scales is not None:
+            h.mul_(self._embed_scale(h.dtype))
         rope = self.rotary.cos_sin(positions, h.dtype)
-        for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
-            h = layer.forward(h, rope, attn_meta, kv_cache, hooks)  # no hooks of its own
+        if self._sliding is None:
+            for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
+                h = layer.forward(h, rope, attn_meta, kv_cache, hooks)  # no hooks of its own
+        else:
+            assert self.config.sliding_window is not None
+            window_meta = sliding_window_metadata(attn_meta, self.config.sliding_window)
+            window_rope = self.sliding_rotary.cos_sin(positions, h.dtype)
+            for layer, kv_cache, slides in zip(model.layers, kv_caches, self._sliding,
+                                               strict=True):  # fmt: skip
+                if slides:
+                    h = layer.forward(h, window_rope, window_meta, kv_cache, hooks)
+                else:
+                    h = layer.forward(h, rope, attn_meta, kv_cache, hooks)
         norm = model.norm
-        return rms_norm(h, norm.weight, norm.eps)
+        return norm.function(h, norm.weight, norm.eps)
+
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """``sqrt(hidden_size)`` rounded to ``dtype``, as transformers' Gemma 3 casts its
+        scale to the embeddings' dtype before multiplying (``sqrt(3072)`` is 55.5 in
+        bfloat16)."""
+        assert self._embed_scales is not None
+        scale = self._embed_scales.get(dtype)
+        if scale is None:
+            exact = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32)
+            scale = self._embed_scales[dtype] = float(exact.to(dtype))
+        return scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for hidden rows ``[N, hidden]``.
@@ -139,5 +187,9 @@ class CausalLM(nn.Module):
         weight = self.lm_head.weight
         if self._vocab_rows is not None:
             weight = weight[self._vocab_rows]
-        logits = F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the weights' dtype, as transformers caps
+            logits = torch.tanh(logits / cap) * cap
+        logits = logits.float()
         return self.tp.gather_last(logits) if self.vocab_parallel else logits

@@ -42,13 +42,17 @@ def _base_inv_freq(base: float, dim: int, device: torch.device | None) -> torch.
 
 
 def compute_inv_freq(
-    config: ModelConfig, max_model_len: int, device: torch.device | None = None
+    config: ModelConfig,
+    max_model_len: int,
+    device: torch.device | None = None,
+    rope: RopeConfig | None = None,
 ) -> RopeFrequencies:
-    """The inverse frequencies and attention scaling of ``config.rope``.
+    """The inverse frequencies and attention scaling of ``rope`` (default:
+    ``config.rope``; Gemma 3's sliding layers pass ``config.sliding_rope``).
 
     Pure function; safe to call from any thread.
     """
-    rope = config.rope
+    rope = rope or config.rope
     dim = config.head_dim
     base = rope.theta
     if rope.rope_type == "default":
@@ -62,7 +66,7 @@ def compute_inv_freq(
         return RopeFrequencies(_base_inv_freq(base * scaled ** (dim / (dim - 2)), dim, device), 1.0)
     if rope.rope_type == "llama3":
         return RopeFrequencies(_llama3(rope, base=base, dim=dim, device=device), 1.0)
-    return _yarn(config, base=base, dim=dim, factor=factor, device=device)
+    return _yarn(rope, base=base, dim=dim, factor=factor, device=device)
 
 
 def _llama3(
@@ -85,9 +89,9 @@ def _llama3(
 
 
 def _yarn(
-    config: ModelConfig, *, base: float, dim: int, factor: float, device: torch.device | None
+    rope: RopeConfig, *, base: float, dim: int, factor: float, device: torch.device | None
 ) -> RopeFrequencies:
-    get = config.rope.get
+    get = rope.get
     original = float(get("original_max_position_embeddings"))
     attention_factor = get("attention_factor")
     mscale, mscale_all_dim = get("mscale"), get("mscale_all_dim")
@@ -126,14 +130,21 @@ class RotaryEmbedding(nn.Module):
 
     Rotation is the "rotate half" (non-interleaved) layout of Hugging Face Llama. The
     table is a non-persistent float32 buffer; lookups cast to the activations' dtype.
+    ``rope`` overrides ``config.rope`` (a Gemma 3 model has one table per layer type).
     """
 
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
 
-    def __init__(self, config: ModelConfig, max_len: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_len: int,
+        device: torch.device,
+        rope: RopeConfig | None = None,
+    ) -> None:
         super().__init__()
-        freqs = compute_inv_freq(config, max_len, device=device)
+        freqs = compute_inv_freq(config, max_len, device=device, rope=rope)
         positions = torch.arange(max_len, device=device, dtype=torch.float32)
         angles = positions[:, None] * freqs.inv_freq[None, :].float()
         emb = torch.cat((angles, angles), dim=-1)

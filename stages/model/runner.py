@@ -92,6 +92,7 @@ class ModelRunner:
             tp_rank=self.rank,
             tp_size=self.world_size,
             kv_heads=local_kv_heads(loaded.config, tp.size),
+            layer_pattern=loaded.config.layer_pattern,
         )
         self.device_sync: DeviceSync = make_device_sync(self.device)
         self._states = RequestStates(

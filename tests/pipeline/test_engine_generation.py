@@ -40,7 +40,7 @@ def _hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[li
 
 class TestGreedyMatchesTransformers:
     @pytest.mark.parametrize(
-        "kind", ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"]
+        "kind", ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma3"]
     )
     def test_batched_chunked_greedy_equals_hf(
         self, kind: str, tiny_checkpoints: dict[str, Path], leak_check
@@ -98,6 +98,24 @@ class TestGreedyMatchesTransformers:
         assert got == expected
 
 
+def _check_cached_pressed_and_split(path: Path, leak_check) -> None:
+    """Greedy tokens stay transformers' with prefix-cache hits (each batch run twice),
+    under block pressure (preemption) and over two worker processes."""
+    prompts = _prompts(256)[2:6]
+    expected = _hf_greedy(path, prompts, NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
+    base = {"model": str(path), "dtype": "float32", "max_model_len": 512}
+    for options in ({}, {"num_gpu_blocks": 10}, {"executor": "multiproc", "world_size": 2}):
+        with LLM(EngineConfig(**base, **options)) as llm:
+            first = llm.generate(prompts, params)
+            again = llm.generate(prompts, params)
+            leak_check(llm.leak_report())
+        assert [list(o.token_ids) for o in first] == expected, options
+        assert [list(o.token_ids) for o in again] == expected, options
+        if not options:
+            assert sum(o.num_cached_tokens for o in again) > 0
+
+
 class TestMixtureOfExperts:
     @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
     def test_prefix_cache_preemption_and_two_worker_processes(
@@ -106,18 +124,17 @@ class TestMixtureOfExperts:
         """A mixture of experts' tokens stay transformers' with prefix-cache hits, under
         block pressure (preemption) and split over two worker processes (experts
         sharded)."""
-        path = tiny_checkpoints[kind]
-        prompts = _prompts(256)[2:6]
-        expected = _hf_greedy(path, prompts, NEW_TOKENS)
-        params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
-        base = {"model": str(path), "dtype": "float32", "max_model_len": 512}
-        for options in ({}, {"num_gpu_blocks": 10}, {"executor": "multiproc", "world_size": 2}):
-            with LLM(EngineConfig(**base, **options)) as llm:
-                first = llm.generate(prompts, params)
-                again = llm.generate(prompts, params)
-                leak_check(llm.leak_report())
-            assert [list(o.token_ids) for o in first] == expected, options
-            assert [list(o.token_ids) for o in again] == expected, options
+        _check_cached_pressed_and_split(tiny_checkpoints[kind], leak_check)
+
+
+class TestSlidingWindow:
+    def test_prefix_cache_preemption_and_two_worker_processes(
+        self, tiny_checkpoints: dict[str, Path], leak_check
+    ) -> None:
+        """Gemma 3's tokens (prompts of 16-100 tokens, window 8) stay transformers' with
+        prefix-cache hits (cached blocks older than the window reused), under block
+        pressure (preemption) and split over two worker processes (heads sharded)."""
+        _check_cached_pressed_and_split(tiny_checkpoints["gemma3"], leak_check)
 
 
 class TestSampling:

@@ -92,6 +92,42 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             "bos_token_id": 1,
         },
     ),
+    # Sliding layers of window 8 around a full one, a rope per layer type (the full
+    # layers' linear), a softmax scale of 24 ** -0.5 (not head_dim's), tied embeddings.
+    "gemma3": (
+        "gemma3",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+            },
+        },
+    ),
+    # A window of one block (16) and full layers first, exact GELU, the final logits
+    # soft-capped, lm_head untied.
+    "gemma3_softcap": (
+        "gemma3",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "sliding_window": 16,
+            "layer_types": [
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "query_pre_attn_scalar": 64,
+            "hidden_activation": "gelu",
+            "final_logit_softcapping": 2.0,
+            "tie_word_embeddings": False,
+        },
+    ),
     "rope_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "rope_llama3": (
         "llama",

@@ -15,6 +15,8 @@ from stages.model import (
     kv_cache_block_bytes,
     paged_attention,
 )
+from stages.model.attention import sliding_window_metadata
+from stages.model.decode_inputs import DecodeBuffers
 
 CPU = torch.device("cpu")
 CONFIG = ModelConfig(
@@ -92,6 +94,93 @@ class TestAttentionMetadata:
             got = out[rows : rows + len(ref)]
             rows += len(ref)
             assert torch.allclose(got, ref, atol=1e-5), n
+
+
+def _band(n: int, window: int) -> torch.Tensor:
+    """``[n, n]``: query ``i`` sees keys ``i - window < j <= i`` (transformers')."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+class TestSlidingWindowMetadata:
+    def test_matches_dense_windowed_attention(self) -> None:
+        """Decodes of different lengths (masked), a continued prefill and a new one
+        longer than the window attend to exactly their window of 4 keys."""
+        gen = torch.Generator().manual_seed(0)
+        bs, heads, kv_heads, hd, window = 4, 4, 2, 8, 4
+        cache = torch.zeros(2, 16, bs, kv_heads, hd)
+        full = {n: tuple(torch.randn(n, h, hd, generator=gen) for h in (heads, kv_heads, kv_heads))
+                for n in (6, 10, 9, 7)}  # fmt: skip
+        tables = {6: [3, 5], 10: [12, 13, 14], 9: [0, 11, 2], 7: [8, 9]}
+        ctx = {6: 5, 10: 9, 9: 3, 7: 0}  # 6 and 10 decode, 9 continues a prefill, 7 is new
+        warm = [n for n in full if ctx[n]]
+        pre = build_attention_metadata(
+            query_lens=[ctx[n] for n in warm], context_lens=[0] * len(warm),
+            block_tables=[tables[n] for n in warm], block_size=bs, device=CPU,
+        )  # fmt: skip
+        q, k, v = (torch.cat([full[n][i][: ctx[n]] for n in warm]) for i in range(3))
+        paged_attention(q, k, v, cache, sliding_window_metadata(pre, window), hd**-0.5)
+        meta = build_attention_metadata(
+            query_lens=[len(full[n][0]) - ctx[n] for n in full], context_lens=list(ctx.values()),
+            block_tables=list(tables.values()), block_size=bs, device=CPU,
+        )  # fmt: skip
+        windowed = sliding_window_metadata(meta, window)
+        assert windowed.decode is not None and windowed.decode.mask is not None
+        q, k, v = (torch.cat([full[n][i][ctx[n] :] for n in full]) for i in range(3))
+        out = paged_attention(q, k, v, cache, windowed, hd**-0.5)
+        rows = 0
+        for n, (q, k, v) in full.items():
+            ref = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.repeat_interleave(2, 1).transpose(0, 1),
+                v.repeat_interleave(2, 1).transpose(0, 1),
+                attn_mask=_band(n, window),
+            ).transpose(0, 1)[ctx[n] :]
+            got = out[rows : rows + len(ref)]
+            rows += len(ref)
+            assert torch.allclose(got, ref, atol=1e-5), n
+
+    def test_equal_length_decodes_slice_keys_to_the_window(self) -> None:
+        """Decodes sharing a context length keep no mask and start at the window's first
+        key; within the window nothing changes."""
+
+        def decode_of(context: int, window: int) -> tuple[int, int | None, bool]:
+            meta = build_attention_metadata(
+                query_lens=[1, 1], context_lens=[context] * 2, block_tables=[[0, 1], [2, 3]],
+                block_size=16, device=CPU,
+            )  # fmt: skip
+            decode = sliding_window_metadata(meta, window).decode
+            assert decode is not None
+            return decode.key_start, decode.seq_len, decode.mask is None
+
+        assert decode_of(20, 8) == (13, 21, True)  # keys 13..20: the query's 8
+        assert decode_of(7, 8) == (0, 8, True)
+        assert decode_of(20, 21) == (0, 21, True)
+
+    def test_prefills_within_the_window_are_unchanged(self) -> None:
+        """A chunk whose whole sequence fits in the window keeps its causal metadata."""
+        meta = build_attention_metadata(
+            query_lens=[5, 3], context_lens=[0, 4], block_tables=[[0, 1], [2, 3]],
+            block_size=4, device=CPU,
+        )  # fmt: skip
+        windowed = sliding_window_metadata(meta, 8)
+        assert windowed.prefills == meta.prefills
+        cut = sliding_window_metadata(meta, 4).prefills
+        assert cut[0].mask is not None and torch.equal(cut[0].mask, _band(5, 4))
+        assert cut[1].mask is not None and torch.equal(cut[1].mask, _band(7, 4)[4:])
+
+    def test_decode_buffers_mask_each_row_by_its_window(self) -> None:
+        """The decode buffers' padded metadata (what a captured graph runs) is masked
+        per row: keys in ``(position - window, position]`` only."""
+        buf = DecodeBuffers(2, 2, 4, CPU)
+        buf.seq[:] = torch.tensor([7, 3])
+        buf.pos[:] = torch.tensor([6, 2])
+        decode = sliding_window_metadata(buf.metadata(None), 3).decode
+        assert decode is not None and decode.mask is not None
+        assert decode.mask[:, 0, 0].int().tolist() == [
+            [0, 0, 0, 0, 1, 1, 1, 0],
+            [1, 1, 1, 0, 0, 0, 0, 0],
+        ]
 
 
 class TestKVCache:

@@ -58,6 +58,8 @@ class TestBfloat16MatchesTransformers:
             "qwen2",
             "qwen3",
             "rope_yarn",
+            "gemma3",
+            "gemma3_softcap",
         ],
     )
     def test_greedy_tokens_equal(self, hf_checkpoint: HFGet, variant: str) -> None:

@@ -11,12 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from connectors import ModelFingerprint
 from pipeline.errors import ModelLoadError
-from stages.model import ModelConfig, load_model, load_model_config
+from stages.model import ModelConfig, ModelRunner, load_model, load_model_config
 from stages.model.checkpoint import weights_identity
 
 CPU = torch.device("cpu")
@@ -166,6 +169,119 @@ class TestModelConfig:
         cfg.check_max_model_len(128, "m")
         with pytest.raises(ModelLoadError, match=r"sliding_window=128.*unsupported"):
             cfg.check_max_model_len(129, "m")
+
+
+def _gemma3_dict(**extra: object) -> dict[str, object]:
+    return {**_llama_dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text"),
+            "num_hidden_layers": 3, "head_dim": 8, **extra}  # fmt: skip
+
+
+S, F = "sliding_attention", "full_attention"
+
+
+class TestGemma3Config:
+    def test_transformers_defaults(self) -> None:
+        """Unset fields take Gemma3TextConfig's defaults: every sixth layer full, window
+        4096, thetas 1e6 (full) and 1e4 (sliding), scale 256 ** -0.5, tied, GeGLU(tanh)."""
+        cfg = ModelConfig.from_hf_dict(_gemma3_dict(num_hidden_layers=7))
+        assert cfg.layer_types == (S, S, S, S, S, F, S)
+        assert cfg.sliding_layers == (0, 1, 2, 3, 4, 6) and cfg.sliding_window == 4096
+        assert (cfg.rope.theta, cfg.sliding_rope and cfg.sliding_rope.theta) == (1e6, 1e4)
+        assert cfg.attention_scale == 256**-0.5 and cfg.tie_word_embeddings
+        assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.layer_style == "gemma3"
+        assert cfg.qk_norm and cfg.final_logit_softcapping is None
+
+    def test_transformers_4_layout_reads_as_transformers_5_writes_it(self) -> None:
+        """sliding_window_pattern, rope_theta, rope_local_base_freq and rope_scaling
+        (the full layers') give the config transformers 5 converts them to."""
+        import transformers
+
+        legacy = dict(num_hidden_layers=5, sliding_window=32, sliding_window_pattern=2,
+                      rope_theta=5e5, rope_local_base_freq=2e4, query_pre_attn_scalar=12,
+                      rope_scaling={"rope_type": "linear", "factor": 8.0})  # fmt: skip
+        ours = ModelConfig.from_hf_dict(_gemma3_dict(**legacy))
+        hf = transformers.Gemma3TextConfig(**{**_gemma3_dict(), **legacy}).to_dict()
+        theirs = ModelConfig.from_hf_dict({**hf, "architectures": ["Gemma3ForCausalLM"]})
+        assert "layer_types" in hf and "rope_parameters" in hf
+        assert attrs.evolve(ours, torch_dtype=None) == attrs.evolve(theirs, torch_dtype=None)
+        assert ours.layer_types == (S, F, S, F, S) and ours.layer_pattern == "SFSFS:32"
+        assert (ours.rope.rope_type, ours.rope.get("factor"), ours.rope.theta) == (
+            "linear", 8.0, 5e5)  # fmt: skip
+        assert ours.sliding_rope is not None and ours.sliding_rope.theta == 2e4
+        assert ours.attention_scale == 12**-0.5
+
+    def test_all_full_layers_slide_nowhere(self) -> None:
+        """Without a sliding layer there is no window and no layer pattern."""
+        cfg = ModelConfig.from_hf_dict(_gemma3_dict(layer_types=[F, F, F], sliding_window=8))
+        assert cfg.sliding_window is None and cfg.layer_pattern == "" and not cfg.sliding_layers
+
+    def test_a_window_shorter_than_the_context_is_served(self) -> None:
+        """Gemma 3's sliding layers are computed, so max_model_len may exceed the window
+        (Mistral's whole-model window is still refused: test_sliding_window_...)."""
+        cfg = ModelConfig.from_hf_dict(_gemma3_dict(layer_types=[S, F, S], sliding_window=8))
+        cfg.check_max_model_len(4096, "<dict>")
+
+    @pytest.mark.parametrize(
+        ("fields", "match"),
+        [
+            ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+            ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+            ({"hidden_activation": "silu"}, "hidden_activation='silu'"),
+            ({"rope_parameters": {F: {"rope_type": "yarn", "factor": 4.0}}},
+             "rope_type='yarn' of the full_attention layers"),
+            ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+             "rope_parameters=.* must map"),
+            ({"layer_types": [S, F]}, "layer_types=.* each of the 3 layers"),
+            ({"layer_types": [S, F, "chunked_attention"]}, "layer_types="),
+            ({"sliding_window": None}, "sliding_window=None"),
+            ({"rope_parameters": {S: {"rope_type": "default", "partial_rotary_factor": 0.5}}},
+             "partial_rotary_factor=0.5"),
+        ],
+    )  # fmt: skip
+    def test_what_the_layers_do_not_compute_is_refused(
+        self, fields: dict[str, Any], match: str
+    ) -> None:
+        with pytest.raises(ModelLoadError, match=match):
+            ModelConfig.from_hf_dict(_gemma3_dict(**fields))
+
+
+class TestLayerPatternFingerprint:
+    def _fingerprint(self, config: ModelConfig) -> ModelFingerprint:
+        return ModelFingerprint(architecture=config.architecture, weights_id="w",
+                                dtype="float32", block_size=16, kv_heads=2,
+                                layer_pattern=config.layer_pattern)  # fmt: skip
+
+    def test_configs_differing_only_in_layer_types_have_other_keys(self) -> None:
+        """The same weights under another sliding pattern (or window) never share KV."""
+        keys = {
+            self._fingerprint(ModelConfig.from_hf_dict(_gemma3_dict(**fields))).key()
+            for fields in ({"layer_types": [S, F, S], "sliding_window": 8},
+                           {"layer_types": [S, S, F], "sliding_window": 8},
+                           {"layer_types": [S, F, S], "sliding_window": 16},
+                           {"layer_types": [F, F, F], "sliding_window": 8})
+        }  # fmt: skip
+        assert len(keys) == 4
+
+    def test_no_pattern_keeps_the_keys_made_before_the_field(self) -> None:
+        """layer_pattern="" is left out of the key, as kv_heads=0 is."""
+        import hashlib
+
+        def old_key(fields: tuple[object, ...]) -> str:
+            return hashlib.sha256(msgspec.msgpack.encode(fields)).hexdigest()[:32]
+
+        fp = ModelFingerprint(architecture="A", weights_id="w", dtype="float32", block_size=16)
+        assert fp.key() == old_key(("A", "w", "float32", 16, 0, 1))
+        with_heads = attrs.evolve(fp, kv_heads=2)
+        assert with_heads.key() == old_key(("A", "w", "float32", 16, 0, 1, 2))
+        assert attrs.evolve(with_heads, layer_pattern="SF:8").key() != with_heads.key()
+
+    def test_the_runner_fingerprints_its_layer_pattern(self, hf_checkpoint: HFGet) -> None:
+        _, path = hf_checkpoint("gemma3")
+        runner = ModelRunner.load(str(path), device="cpu", num_blocks=8, max_model_len=64)
+        try:
+            assert runner.fingerprint.layer_pattern == "SFS:8"
+        finally:
+            runner.close()
 
 
 class TestLoadModel:

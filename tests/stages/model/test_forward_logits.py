@@ -63,6 +63,8 @@ class TestLogitsMatchTransformers:
             "mixtral",
             "qwen3_moe",
             "qwen3_moe_norm",
+            "gemma3",
+            "gemma3_softcap",
         ],
     )
     def test_architectures(self, hf_checkpoint: HFGet, step_driver: Any, variant: str) -> None:
@@ -78,6 +80,33 @@ class TestLogitsMatchTransformers:
         """Unchunked prefill (every prompt in one step) matches HF too."""
         _check_against_hf(hf_checkpoint, step_driver, "llama_gqa", chunk=512)
 
-    def test_tiny_chunks(self, hf_checkpoint: HFGet, step_driver: Any) -> None:
-        """Chunks not aligned to blocks (5 tokens) keep the cached context exact."""
-        _check_against_hf(hf_checkpoint, step_driver, "qwen2", chunk=5)
+    @pytest.mark.parametrize("variant", ["qwen2", "gemma3"])
+    def test_tiny_chunks(self, hf_checkpoint: HFGet, step_driver: Any, variant: str) -> None:
+        """Chunks not aligned to blocks (5 tokens) keep the cached context exact (for
+        Gemma 3: chunks shorter than the window, each against cached context)."""
+        _check_against_hf(hf_checkpoint, step_driver, variant, chunk=5)
+
+
+class TestSlidingWindow:
+    @pytest.mark.parametrize("prompt_len", [3, 8, 9, 40])
+    def test_one_request_decodes_past_the_window(
+        self, hf_checkpoint: HFGet, step_driver: Any, prompt_len: int
+    ) -> None:
+        """A request decoding alone (keys sliced to the window, no mask) across and
+        beyond its window of 8 gives transformers' logits, from prompts shorter than,
+        as long as and longer than the window."""
+        hf_model, path = hf_checkpoint("gemma3")
+        runner = ModelRunner.load(
+            str(path), dtype="float32", device="cpu", block_size=4, num_blocks=32,
+            max_model_len=64,
+        )  # fmt: skip
+        driver = step_driver(runner, chunk=16)
+        driver.add("a", torch.randint(0, 256, (prompt_len,)).tolist())
+        driver.run(12)
+        tokens = driver.tokens["a"][:-1]
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([tokens])).logits[0]
+        expected = ref[prompt_len - 1 :]
+        err = (torch.stack(driver.logits["a"]) - expected).abs().max().item()
+        runner.close()
+        assert err < ATOL, f"max abs error {err}"

@@ -185,7 +185,7 @@ class TestEveryKernelKeepsTransformersResults:
         equal, with the kernel forced; the runner reports it."""
         monkeypatch.setenv(lk.ENV, kernel)
         variants = ("llama_gqa", "llama_bias_head_dim", "qwen2_tied", "qwen3", "phi3", "mixtral",
-                    "qwen3_moe")  # fmt: skip
+                    "qwen3_moe", "gemma3")  # fmt: skip
         for variant in variants:
             _check_against_hf(hf_checkpoint, step_driver, variant, chunk=48)
         runner = ModelRunner.load("builtin:tiny", dtype="float32", device="cpu", num_blocks=8)

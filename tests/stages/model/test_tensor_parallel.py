@@ -41,6 +41,7 @@ CASES = [
     ("phi3", 2),
     ("mixtral", 2),
     ("qwen3_moe", 2),
+    ("gemma3", 2),
     ("llama_bias", 2),
     ("llama_bias", 4),
 ]
@@ -69,6 +70,7 @@ def tp_checkpoints(
         "phi3": tiny_checkpoints["phi3"],
         "mixtral": tiny_checkpoints["mixtral"],
         "qwen3_moe": tiny_checkpoints["qwen3_moe"],
+        "gemma3": tiny_checkpoints["gemma3"],
         "llama_bias": bias,
     }
 
