@@ -5,11 +5,11 @@ logprobs (one per token) and prompt logprobs come from the driver rank (0), load
 block ids (and their causes, per cause), failed saves and per-request errors are
 unioned (a save that failed on any rank failed: its blocks are not announced), save-side
 calls that raised are summed per cause, stats are merged (bytes summed, tokens counted
-once: every rank moves the same tokens). A request's ``finished_sending`` / ``finished_recving`` is released to the
-scheduler only once **every** rank has reported it, possibly in different steps. Unlike
-vLLM's ``KVOutputAggregator``, which counts occurrences, the aggregator keeps the *set*
-of ranks per request, so a rank reporting twice counts once and can never stand in for
-a rank that is silent.
+once: every rank moves the same tokens). A request's ``finished_sending`` /
+``finished_recving`` is released to the scheduler only once **every** rank has reported
+it, possibly in different steps. Unlike vLLM's ``KVOutputAggregator``, which counts
+occurrences, the aggregator keeps the *set* of ranks per request, so a rank reporting
+twice counts once and can never stand in for a rank that is silent.
 
 Each pending entry has a **lease**, started by the first rank's report: ``lease_steps``
 engine steps and/or ``lease_s`` seconds. An entry still incomplete when its lease runs

@@ -128,6 +128,19 @@ class _Run(NamedTuple):
     ends: list[int]  # engine.num_steps after each wave
 
 
+async def _final(
+    engine: AsyncEngine,
+    prompt: list[int],
+    params: SamplingParams,
+    finals: dict[int, tuple[int, ...]],
+    i: int,
+) -> None:
+    """Generate ``prompt``; it must end by length; its tokens go to ``finals[i]``."""
+    outs = [o async for o in engine.generate(prompt, params)]
+    assert outs[-1].finish_reason == "length", outs[-1]
+    finals[i] = outs[-1].token_ids
+
+
 async def _run(config: EngineConfig, leak_check: Callable[[dict[str, int]], None]) -> _Run:
     """Two waves of the prompts (the second may hit the store); the final tokens of each
     request in order, ``kvstep_kv_save_failures_total`` by cause, each wave's KV events."""
@@ -143,15 +156,10 @@ async def _run(config: EngineConfig, leak_check: Callable[[dict[str, int]], None
                 finals: dict[int, tuple[int, ...]] = {}
                 params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
-                async def one(i: int, prompt: list[int], params: SamplingParams = params) -> None:
-                    outs = [o async for o in engine.generate(prompt, params)]
-                    assert outs[-1].finish_reason == "length", outs[-1]
-                    finals[i] = outs[-1].token_ids
-
                 with anyio.fail_after(120):
                     async with anyio.create_task_group() as tg:
                         for i, prompt in enumerate(PROMPTS):
-                            tg.start_soon(one, i, prompt)
+                            tg.start_soon(_final, engine, prompt, params, finals, i)
                     while not engine.is_idle:
                         await anyio.sleep(0.005)
                 tokens += [finals[i] for i in range(len(PROMPTS))]
