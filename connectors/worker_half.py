@@ -171,8 +171,14 @@ class KVConnectorWorker(abc.ABC):  # noqa: B024
             ctx: The step's forward context; read-only.
 
         Raises:
-            Exception: The step fails on this rank. A save that fails later is no
-                exception: report it from :meth:`wait_for_save`.
+            Exception: A save-side failure, never a failed step: the step's requests
+                keep their tokens, every request of the step counts as a failed save
+                on this rank (its blocks are neither reported stored nor announced),
+                the raise is counted (``kvstep_kv_save_failures_total``, cause
+                ``save_kv_layer``, or ``timeout`` for a ``TimeoutError``), and no later
+                layer of the step is offered for saving: do not make the step's
+                partly saved blocks durable. A save that fails later is best reported
+                from :meth:`wait_for_save` instead.
         """
 
     async def wait_for_save(self) -> frozenset[str]:
@@ -189,7 +195,11 @@ class KVConnectorWorker(abc.ABC):  # noqa: B024
             and the engine keeps serving); empty by default.
 
         Raises:
-            Exception: The step fails on this rank.
+            Exception: A save-side failure, never a failed step: every request of the
+                step counts as a failed save on this rank (tokens kept, blocks not
+                reported stored nor announced), counted with cause ``wait_for_save``
+                (``timeout`` for a ``TimeoutError``); :meth:`get_finished` and the
+                clear still follow.
         """
         return frozenset()
 
@@ -210,7 +220,13 @@ class KVConnectorWorker(abc.ABC):  # noqa: B024
             it to the scheduler only when every rank has reported it.
 
         Raises:
-            Exception: The step fails on this rank.
+            Exception: Taken as a save-side failure, never a failed step: nothing is
+                reported finished by this rank this step, every request of the step
+                counts as a failed save on this rank, counted with cause
+                ``get_finished`` (``timeout`` for a ``TimeoutError``). Completions not
+                returned must come in a later call (as under cancellation), so a
+                request parked for an async load stays parked until then; load errors
+                are still asked for (:meth:`get_block_ids_with_load_errors`).
         """
         return WorkerFinished()
 

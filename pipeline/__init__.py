@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from pipeline.artifacts import ModelOutput as ModelOutput
     from pipeline.artifacts import RankOutputs as RankOutputs
     from pipeline.artifacts import SampledTokens as SampledTokens
+    from pipeline.artifacts import SaveFailureCause as SaveFailureCause
+    from pipeline.artifacts import SaveFailures as SaveFailures
     from pipeline.artifacts import SaveResult as SaveResult
     from pipeline.artifacts import ScheduledRequest as ScheduledRequest
     from pipeline.artifacts import SchedulerOutput as SchedulerOutput
@@ -97,6 +99,8 @@ _EXPORTS: dict[str, str] = {
     "ModelOutput": "pipeline.artifacts",
     "RankOutputs": "pipeline.artifacts",
     "SampledTokens": "pipeline.artifacts",
+    "SaveFailureCause": "pipeline.artifacts",
+    "SaveFailures": "pipeline.artifacts",
     "SaveResult": "pipeline.artifacts",
     "ScheduledRequest": "pipeline.artifacts",
     "SchedulerOutput": "pipeline.artifacts",

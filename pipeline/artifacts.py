@@ -30,6 +30,8 @@ __all__ = [
     "MetadataBound",
     "ModelOutput",
     "RankOutputs",
+    "SaveFailureCause",
+    "SaveFailures",
     "SaveResult",
     "SampledTokens",
     "ScheduledRequest",
@@ -231,6 +233,10 @@ class ModelOutput:
     ``i + 1``, or the token after the last draft, is verified against). A request's row
     in ``logits`` is the distribution after its last known token, which its first
     draft is verified against. ``None`` when no request of the step has drafts.
+
+    ``save_error`` is what the connector's ``save_kv_layer`` raised in this forward pass
+    (the first raise; the pass went on without further saves), or ``None``: a save-side
+    failure costs the step's caching, never its logits.
     """
 
     req_ids: tuple[str, ...]
@@ -240,6 +246,7 @@ class ModelOutput:
     prompt_logits: Any = None  # torch.Tensor [rows, vocab] or None
     draft_req_ids: tuple[str, ...] = ()
     draft_logits: Any = None  # torch.Tensor [drafts, vocab] or None
+    save_error: Exception | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -395,11 +402,82 @@ class LoadFailures:
         return counts
 
 
+class SaveFailureCause(enum.StrEnum):
+    """Which save-side connector call raised on a rank (a fixed set: the label of
+    ``kvstep_kv_save_failures_total``).
+
+    ``save_kv_layer``, ``wait_for_save``, ``get_finished``: that call raised;
+    ``timeout``: any of them raised ``TimeoutError`` (a connector's own deadline).
+    """
+
+    SAVE_KV_LAYER = "save_kv_layer"
+    WAIT_FOR_SAVE = "wait_for_save"
+    GET_FINISHED = "get_finished"
+    TIMEOUT = "timeout"
+
+    @classmethod
+    def of(cls, call: SaveFailureCause, error: BaseException) -> SaveFailureCause:
+        """The cause of ``error`` raised by ``call``: ``timeout`` for a ``TimeoutError``."""
+        return cls.TIMEOUT if isinstance(error, TimeoutError) else call
+
+
+def _save_counts(value: Mapping[SaveFailureCause, int]) -> dict[SaveFailureCause, int]:
+    return {SaveFailureCause(cause): int(n) for cause, n in value.items() if n}
+
+
+@attrs.frozen(kw_only=True)
+class SaveFailures:
+    """Save-side connector calls that raised (``save_kv_layer``, ``wait_for_save``,
+    ``get_finished``), counted by cause; merged over ranks by fan-in.
+
+    A save-side failure costs caching, never tokens: the step's requests keep what they
+    sampled, their saves of the step count as failed (``failed_save_req_ids``), so their
+    blocks are neither reported stored nor announced. Each raise counts once on the rank
+    it happened on.
+
+    Attributes:
+        counts: Cause → calls that raised (no zero entry).
+        errors: Cause → the ``repr`` of one of its errors (for the first log record).
+    """
+
+    counts: Mapping[SaveFailureCause, int] = attrs.field(factory=dict, converter=_save_counts)
+    errors: Mapping[SaveFailureCause, str] = attrs.field(factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.counts)
+
+    def add(self, call: SaveFailureCause, error: BaseException) -> SaveFailures:
+        """These failures and one more: ``error`` raised by ``call``."""
+        cause = SaveFailureCause.of(call, error)
+        return self.merge(SaveFailures(counts={cause: 1}, errors={cause: short_repr(error)}))
+
+    def merge(self, other: SaveFailures) -> SaveFailures:
+        """Two ranks' (or two calls') failures: counts summed per cause, the first error
+        kept. Associative, so fan-in's merge stays order-free (up to which error is kept)."""
+        if not other.counts:
+            return self
+        if not self.counts:
+            return other
+        counts = dict(self.counts)
+        for cause, n in other.counts.items():
+            counts[cause] = counts.get(cause, 0) + n
+        return SaveFailures(counts=counts, errors={**other.errors, **self.errors})
+
+
 @attrs.frozen(kw_only=True)
 class SaveResult:
-    """Marker + data: ``wait_for_save`` returned on this rank."""
+    """Marker + data: ``wait_for_save`` returned (or raised, counted) on this rank.
+
+    Attributes:
+        failed_req_ids: Requests whose save failed this step on this rank: those
+            ``wait_for_save`` returned, and every request of the step when a save-side
+            call raised.
+        failures: The save-side calls that raised so far in the step (the forward's
+            ``save_kv_layer``, ``wait_for_save``).
+    """
 
     failed_req_ids: frozenset[str] = frozenset()
+    failures: SaveFailures = attrs.field(factory=SaveFailures)
 
 
 @attrs.frozen(kw_only=True)
@@ -420,6 +498,8 @@ class WorkerOutput:
         stats: Connector traffic of this step on this rank.
         load_failures: Why the blocks of ``invalid_block_ids`` failed (those the
             connector named a cause for).
+        save_failures: Save-side connector calls that raised on this rank this step
+            (their requests are in ``failed_save_req_ids``).
         logprobs: Logprobs of the sampled tokens whose request asked, one per token of
             its sequence (driver only).
         prompt_logprobs: Logprobs of each request's prompt targets this step
@@ -436,6 +516,7 @@ class WorkerOutput:
     request_errors: dict[str, str] = attrs.field(factory=dict)
     stats: KVStats = attrs.field(factory=KVStats)
     load_failures: LoadFailures = attrs.field(factory=LoadFailures)
+    save_failures: SaveFailures = attrs.field(factory=SaveFailures)
     logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(
         factory=dict, converter=_logprob_sequences
     )
@@ -481,6 +562,8 @@ class FanInOutput:
             reason when several ranks name a request).
         stats: Connector traffic of this step, merged over ranks (bytes summed, tokens once).
         load_failures: Why the blocks of ``invalid_block_ids`` failed (union per cause).
+        save_failures: Save-side connector calls that raised, over every rank (summed
+            per cause).
         num_ranks: How many ranks' outputs were merged.
         logprobs: Logprobs of the sampled tokens, one per token of each sequence (from
             the driver rank 0).
@@ -499,6 +582,7 @@ class FanInOutput:
     request_errors: dict[str, str] = attrs.field(factory=dict)
     stats: KVStats = attrs.field(factory=KVStats)
     load_failures: LoadFailures = attrs.field(factory=LoadFailures)
+    save_failures: SaveFailures = attrs.field(factory=SaveFailures)
     num_ranks: int = 1
     logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(
         factory=dict, converter=_logprob_sequences

@@ -3,12 +3,13 @@
 Merging is associative and order-free: sampled tokens (a sequence per request), their
 logprobs (one per token) and prompt logprobs come from the driver rank (0), load-error
 block ids (and their causes, per cause), failed saves and per-request errors are
-unioned, stats are merged (bytes summed, tokens counted once: every rank moves the same
-tokens). A request's ``finished_sending`` / ``finished_recving`` is released to the
-scheduler only once **every** rank has reported it, possibly in different steps. Unlike
-vLLM's ``KVOutputAggregator``, which counts occurrences, the aggregator keeps the *set*
-of ranks per request, so a rank reporting twice counts once and can never stand in for
-a rank that is silent.
+unioned (a save that failed on any rank failed: its blocks are not announced), save-side
+calls that raised are summed per cause, stats are merged (bytes summed, tokens counted
+once: every rank moves the same tokens). A request's ``finished_sending`` /
+``finished_recving`` is released to the scheduler only once **every** rank has reported
+it, possibly in different steps. Unlike vLLM's ``KVOutputAggregator``, which counts
+occurrences, the aggregator keeps the *set* of ranks per request, so a rank reporting
+twice counts once and can never stand in for a rank that is silent.
 
 Each pending entry has a **lease**, started by the first rank's report: ``lease_steps``
 engine steps and/or ``lease_s`` seconds. An entry still incomplete when its lease runs
@@ -26,7 +27,7 @@ from typing import Literal
 
 import attrs
 
-from pipeline.artifacts import FanInOutput, KVStats, LoadFailures, WorkerOutput
+from pipeline.artifacts import FanInOutput, KVStats, LoadFailures, SaveFailures, WorkerOutput
 from pipeline.checks import check_int
 from pipeline.errors import InvalidConfigError, StageError
 from pipeline.logger import get_logger
@@ -124,6 +125,7 @@ class FanInAggregator:
         errors: dict[str, tuple[int, str]] = {}
         stats = KVStats()
         failures = LoadFailures()
+        save_failures = SaveFailures()
         count = 0
         for out in outputs:
             self._check_rank(step_id, out.rank)
@@ -138,6 +140,7 @@ class FanInAggregator:
                     errors[req_id] = (out.rank, reason)
             stats = stats.merge(out.stats)
             failures = failures.merge(out.load_failures)
+            save_failures = save_failures.merge(out.save_failures)
             self._absorb(out, step_id, now)
         finished = {kind: self._release_ready(kind) for kind in _KINDS}
         missing: dict[str, tuple[int, ...]] = {}
@@ -156,6 +159,7 @@ class FanInAggregator:
             request_errors={req_id: reason for req_id, (_, reason) in errors.items()},
             stats=stats,
             load_failures=failures,
+            save_failures=save_failures,
             num_ranks=count,
             logprobs={} if driver is None else dict(driver.logprobs),
             prompt_logprobs={} if driver is None else dict(driver.prompt_logprobs),

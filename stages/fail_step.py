@@ -36,7 +36,16 @@ where it is caught, what the step's requests see and what the engine does
 12  one request's error        executor / rank →           that request alone:     serves on
     (unsendable, a row, a      ``request_errors`` →        error (a load under
     failed KV load)            ``update``                  ``recompute``: none)
+13  a save-side connector      the forward's hooks, the    nothing: tokens kept;   counts
+    call raises on a rank      ``save``/``finished``       the step's saves fail   (``kv_save_
+    (``save_kv_layer``,        stages → ``WorkerOutput.    (not stored, not        failures``),
+    ``wait_for_save``,         save_failures`` →           announced)              serves on
+    ``get_finished``)          ``update``
 ==  =========================  ==========================  ======================  ============
+
+Row 13: a cancellation or a ``ConnectorLifecycleError`` there is still row 1-3, and
+load-side calls (``start_load_kv``, ``wait_for_layer_load``, the load-error queries)
+still fail the step as row 1.
 
 Row 1 and 2: the ranks that did answer leave their outputs as
 :class:`~stages.execute.AnsweredRanks`, and FailStepStage hands their transfer reports to

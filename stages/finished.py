@@ -7,17 +7,20 @@ from typing import ClassVar
 
 import attrs
 
-from connectors.base import KVConnectorWorker
+from connectors.base import KVConnectorWorker, WorkerFinished
 from pipeline.artifacts import (
     KVStats,
     LoadFailures,
     LoadStarted,
     SampledTokens,
+    SaveFailureCause,
     SaveResult,
     SchedulerOutput,
     WorkerOutput,
 )
+from pipeline.errors import ConnectorLifecycleError
 from pipeline.kernel.context import StepContext
+from stages.save import failed_step_saves
 
 __all__ = ["FinishedStage", "UnsentTransfers"]
 
@@ -63,6 +66,16 @@ class FinishedStage:
     :class:`UnsentTransfers` (a graph input) and go out with the next step of that
     rank that reaches this stage, so a finished transfer is never lost (the scheduler
     side takes a report twice as once). The stage itself holds no state.
+
+    A ``get_finished`` that raises is a save-side failure: the step goes on, its
+    requests keep their tokens, and on this rank every request of the step counts as a
+    failed save (``WorkerOutput.save_failures``, cause ``get_finished`` or ``timeout``)
+    and nothing is reported finished. The receiving half loses nothing by this: the
+    connector reports the completions it did not return in a later call (the contract
+    it already keeps under cancellation), so a request parked for an async load stays
+    parked exactly as when a step fails (a failed step never failed parked requests),
+    and the transfer lease bounds a rank that never reports. Load errors
+    (``get_block_ids_with_load_errors``) are asked for anyway and keep the load policy.
     """
 
     name: ClassVar[str] = "finished"
@@ -93,7 +106,15 @@ class FinishedStage:
                 logprobs=samples.logprobs,
                 prompt_logprobs=samples.prompt_logprobs,
             )
-        finished = await self.connector.get_finished(scheduler_output.finished_req_ids)
+        save_failures = ctx.get(SaveResult).failures
+        try:
+            finished = await self.connector.get_finished(scheduler_output.finished_req_ids)
+        except ConnectorLifecycleError:
+            raise
+        except Exception as exc:  # save side (see the class docstring): costs caching only
+            finished = WorkerFinished()
+            save_failures = save_failures.add(SaveFailureCause.GET_FINISHED, exc)
+            failed_saves |= failed_step_saves(scheduler_output)
         unsent = ctx.get(UnsentTransfers)
         unsent.keep(finished.sending, finished.recving)
         # KVStats._make: a connector written before the stats had names returns a 4-tuple.
@@ -114,4 +135,5 @@ class FinishedStage:
             prompt_logprobs=samples.prompt_logprobs,
             stats=stats,
             load_failures=failures or LoadFailures(),
+            save_failures=save_failures,
         )

@@ -23,7 +23,10 @@ The rank is ``ConnectorContext.rank`` (0 on the scheduler half). A fault fires a
 
 * ``"raise"`` (any call): :class:`~pipeline.errors.FaultInjected` instead of the call.
   ``clear_connector_metadata`` raises *after* the inner clear: clear must never leave
-  metadata bound, so the fault models a clear that reports a failure.
+  metadata bound, so the fault models a clear that reports a failure. At a save-side
+  call (``save_kv_layer``, ``wait_for_save``, ``get_finished``) the engine takes it as
+  a failed save, never a failed step: the inner half was not called, so a write it
+  queued before may still land (a whole value, never confirmed nor announced).
 * ``"hang"``: wait ``hang_s``, then forward. Async calls ``await anyio.sleep`` (a
   deadline cuts it). The per-layer hooks run in the forward thread, which cannot be
   cancelled: they ``time.sleep(min(hang_s, MAX_SYNC_HANG_S))`` and delay the step by

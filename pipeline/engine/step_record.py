@@ -46,6 +46,7 @@ def record_engine_step(step_log: StepLog, ctx: StepContext) -> None:
         failed_save_requests=sorted(merged.failed_save_req_ids) if merged is not None else [],
         **ahead,
         **_load_failures(merged),
+        **_save_failures(merged),
         **_spec_decode(out),
         **_without_drafts(ctx.maybe(DraftsProposed)),
     )
@@ -86,6 +87,16 @@ def _load_failures(merged: FanInOutput | None) -> dict[str, dict[str, int]]:
         return {}
     counts = merged.load_failures.count(merged.invalid_block_ids)
     return {"load_failures": {str(cause): n for cause, n in sorted(counts.items())}}
+
+
+def _save_failures(merged: FanInOutput | None) -> dict[str, dict[str, int]]:
+    """``{"kv_save_failures": {cause: calls}}`` for a step in which a save-side connector
+    call raised on some rank (summed over ranks), else nothing; the server's
+    ``kvstep_kv_save_failures_total`` adds them up."""
+    if merged is None or not merged.save_failures:
+        return {}
+    counts = merged.save_failures.counts
+    return {"kv_save_failures": {str(cause): n for cause, n in sorted(counts.items())}}
 
 
 def _request_times(outputs: Iterable[RequestOutput]) -> dict[str, list[float | None]]:

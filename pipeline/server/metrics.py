@@ -152,7 +152,7 @@ class ServerMetrics:
     """
 
     def __init__(self, connector: str | None = None) -> None:
-        self.connector = connector  # the kvstep_kv_load_failures_total label
+        self.connector = connector  # the kvstep_kv_{load,save}_failures_total label
         self.kv_health = KVLoadHealth()
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
@@ -181,6 +181,14 @@ class ServerMetrics:
             "kvstep_kv_load_failures",
             "KV blocks that failed to load, by connector and cause (handshake, "
             "peer_mismatch, refused, read_error, read_timeout, missing, corrupt, unknown)",
+            ["connector", "cause"],
+            registry=reg,
+        )
+        self.kv_save_failures = Counter(
+            "kvstep_kv_save_failures",
+            "Save-side KV connector calls that raised (their step's blocks were not "
+            "cached; its requests kept their tokens), by connector and cause "
+            "(save_kv_layer, wait_for_save, get_finished, timeout)",
             ["connector", "cause"],
             registry=reg,
         )
@@ -293,6 +301,9 @@ class ServerMetrics:
         for cause, blocks in failures.items():
             self.kv_load_failures.labels(self.connector or "none", cause).inc(blocks)
         self.kv_health.record(loaded, failures)
+        save_failures: dict[str, int] = fields.get("kv_save_failures") or {}
+        for cause, calls in save_failures.items():
+            self.kv_save_failures.labels(self.connector or "none", cause).inc(calls)
         self.kv_saved.inc(int(fields.get("saved_tokens", 0) or 0))
         self.batch_tokens.inc(int(fields.get("num_tokens", 0) or 0))
         if fields.get("spec_drafts"):

@@ -208,7 +208,9 @@ class ModelRunner:
 
         Drops ``finished_req_ids``, applies the scheduled block ids, then runs the model;
         with a ``connector``, calls ``wait_for_layer_load(i)`` before layer ``i``'s
-        attention and ``save_kv_layer(i, kv_caches[i], ctx)`` after it. Without one, and
+        attention and ``save_kv_layer(i, kv_caches[i], ctx)`` after it (a raising
+        ``save_kv_layer`` ends the pass's saves, not the pass: ``ModelOutput.save_error``,
+        see :class:`~stages.model.connector_hooks.ConnectorHooks`). Without one, and
         with ``settings.cuda_graphs``, a decode-only step replays a captured graph
         (:attr:`decode_graphs`).
 
@@ -263,6 +265,7 @@ class ModelRunner:
             prompt_logits=None if batch.prompt_rows is None else logits[n:p],
             draft_req_ids=batch.draft_req_ids,
             draft_logits=None if batch.draft_rows is None else logits[p:],
+            save_error=None if hooks is None else hooks.save_error,
         )
 
     def _replay(self, scheduler_output: SchedulerOutput) -> ModelOutput | None:

@@ -321,13 +321,40 @@ def _finish_recving(state: SchedulerState, finished_recving: frozenset[str]) -> 
 
 
 def _finish_sending(state: SchedulerState, output: FanInOutput) -> None:
-    """Free the blocks of finished requests whose KV was sent, or whose save failed."""
+    """Free the blocks of finished requests whose KV was sent, or whose save failed.
+
+    In a step where a save-side call raised, a request that holds no delayed blocks
+    (it is still running) gets a debug record only: its tokens stand, only caching
+    failed, and the raise is logged once per cause by :func:`_log_save_failures`."""
     for req_id in sorted(output.finished_sending):
         if not state.release_delayed(req_id):
             log.debug("finished_sending of an unknown request dropped", req_id=req_id)
+    if output.save_failures:
+        _log_save_failures(state, output)
     for req_id in sorted(output.failed_save_req_ids):
         released = state.release_delayed(req_id)
-        log.warning("KV save failed", req_id=req_id, blocks_released=released)
+        level = log.debug if output.save_failures and not released else log.warning
+        level("KV save failed", req_id=req_id, blocks_released=released)
+
+
+def _log_save_failures(state: SchedulerState, output: FanInOutput) -> None:
+    """Count the step's save-side calls that raised, by cause; the first of a cause is a
+    warning (with one of its errors), the rest debug records with the count (the server's
+    ``kvstep_kv_save_failures_total`` counts them too)."""
+    failures = output.save_failures
+    for cause, n in sorted(failures.counts.items()):
+        count = state.save_failures.get(str(cause), 0) + n
+        first = count == n
+        state.save_failures[str(cause)] = count
+        level = log.warning if first else log.debug
+        level(
+            "KV save-side connector call failed; the step's blocks are not cached",
+            step_id=output.step_id,
+            cause=str(cause),
+            error=failures.errors.get(cause),
+            failures=count,
+            **({"later": "logged at debug level, counted by cause"} if first else {}),
+        )
 
 
 def _expire_transfers(

@@ -104,6 +104,9 @@ class SchedulerState:
         load_failures: Requests whose KV failed to load, by cause (their first failed
             block's): the first of each cause is logged at warning level, the rest at
             debug level with this count.
+        save_failures: Save-side connector calls that raised, summed over ranks, by
+            cause: the first of each cause is logged at warning level, the rest at
+            debug level with this count.
         num_preemptions: Requests preempted so far (each time one was).
         spec_decode: Speculative drafts the steps applied so far verified, and the ones
             kept (equal to the token sampled at their position).
@@ -125,6 +128,7 @@ class SchedulerState:
     num_expired_sending: int = 0
     num_expired_recving: int = 0
     load_failures: dict[str, int] = attrs.field(factory=dict)
+    save_failures: dict[str, int] = attrs.field(factory=dict)
     num_preemptions: int = 0
     spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
     step_draft_outcomes: dict[str, tuple[int, int]] = attrs.field(factory=dict)
