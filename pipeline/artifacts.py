@@ -474,10 +474,14 @@ class SaveResult:
             call raised.
         failures: The save-side calls that raised so far in the step (the forward's
             ``save_kv_layer``, ``wait_for_save``).
+        wait_raised: ``wait_for_save`` itself raised: the step's ``get_finished`` is
+            not called (it follows a completed ``wait_for_save``); the connector reports
+            its completions in a later step's call.
     """
 
     failed_req_ids: frozenset[str] = frozenset()
     failures: SaveFailures = attrs.field(factory=SaveFailures)
+    wait_raised: bool = False
 
 
 @attrs.frozen(kw_only=True)

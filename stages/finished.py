@@ -74,8 +74,11 @@ class FinishedStage:
     connector reports the completions it did not return in a later call (the contract
     it already keeps under cancellation), so a request parked for an async load stays
     parked exactly as when a step fails (a failed step never failed parked requests),
-    and the transfer lease bounds a rank that never reports. Load errors
-    (``get_block_ids_with_load_errors``) are asked for anyway and keep the load policy.
+    and the transfer lease bounds a rank that never reports. After a ``wait_for_save``
+    that raised, ``get_finished`` is not called at all this step (a connector may count
+    on it following a completed ``wait_for_save``); the same holds for its reports. Load
+    errors (``get_block_ids_with_load_errors``) are asked for anyway and keep the load
+    policy.
     """
 
     name: ClassVar[str] = "finished"
@@ -106,9 +109,14 @@ class FinishedStage:
                 logprobs=samples.logprobs,
                 prompt_logprobs=samples.prompt_logprobs,
             )
-        save_failures = ctx.get(SaveResult).failures
+        saved = ctx.get(SaveResult)
+        save_failures = saved.failures
         try:
-            finished = await self.connector.get_finished(scheduler_output.finished_req_ids)
+            finished = (
+                WorkerFinished()  # get_finished follows a wait_for_save that returned
+                if saved.wait_raised
+                else await self.connector.get_finished(scheduler_output.finished_req_ids)
+            )
         except ConnectorLifecycleError:
             raise
         except Exception as exc:  # save side (see the class docstring): costs caching only

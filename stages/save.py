@@ -61,12 +61,14 @@ class SaveStage:
         if layer_error is not None:
             failures = failures.add(SaveFailureCause.SAVE_KV_LAYER, layer_error)
         failed: frozenset[str] = frozenset()
+        raised = False
         try:
             failed = frozenset(await self.connector.wait_for_save())
         except ConnectorLifecycleError:
             raise
         except Exception as exc:  # a failing cache tier costs caching, not the step
             failures = failures.add(SaveFailureCause.WAIT_FOR_SAVE, exc)
+            raised = True
         if failures:
             failed |= failed_step_saves(ctx.get(SchedulerOutput))
-        return SaveResult(failed_req_ids=failed, failures=failures)
+        return SaveResult(failed_req_ids=failed, failures=failures, wait_raised=raised)

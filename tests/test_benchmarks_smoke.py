@@ -122,6 +122,24 @@ TINY_ARGS = {
         "--rounds",
         "1",
     ],
+    "lora.py": [
+        "--model",
+        "builtin:tiny",
+        "--vocab",
+        "256",
+        "--batch",
+        "3",
+        "--adapters",
+        "2",
+        "--rank",
+        "4",
+        "--prompt-len",
+        "16",
+        "--new-tokens",
+        "4",
+        "--rounds",
+        "1",
+    ],
     "moe.py": [
         "--prompts",
         "2",
@@ -247,6 +265,14 @@ def _check_spec_decode(result: dict) -> None:
         assert 0 <= row["kept"] <= row["drafts"]
 
 
+def _check_lora(result: dict) -> None:
+    """Every workload measured; base rows' tokens the same with LoRA on."""
+    names = [row["workload"] for row in result["results"]]
+    assert names == ["base", "base, LoRA on", "one adapter", "mixed"]
+    assert all(row["tokens_per_s"] > 0 for row in result["results"])
+    assert result["base_tokens_unchanged"] is True
+
+
 def _check_vs_vllm(result: dict) -> None:
     """Without vLLM the comparison is skipped, and says so (no made-up figures)."""
     if importlib.util.find_spec("vllm") is None:
@@ -258,6 +284,7 @@ CHECKS = {
     "vs_vllm_serve.py": _check_vs_vllm,
     "structured.py": _check_structured,
     "spec_decode.py": _check_spec_decode,
+    "lora.py": _check_lora,
     "step_overhead.py": _check_step_overhead,
     "serve.py": _check_serve,
     "routing.py": _check_routing,

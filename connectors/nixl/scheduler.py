@@ -121,7 +121,9 @@ class NixlScheduler(KVConnectorScheduler):
         refused = self.options.allows(remote.host, remote.port)
         if refused:
             raise InvalidRequestError(f"{field}['remote_host']", remote.host, refused)
-        fields = remote.signed_fields(prompt_digest(request.prompt_token_ids))
+        fields = remote.signed_fields(
+            prompt_digest(request.prompt_token_ids, request.hash_extra_keys)
+        )
         refused = check_ticket(self.key, fields, remote.ticket)
         if refused and refused != EXPIRED:
             raise InvalidRequestError(f"{field}['ticket']", "<hidden>", refused)
@@ -279,7 +281,7 @@ class NixlScheduler(KVConnectorScheduler):
             port=opts.port,
             request_id=req_id,
             block_ids=held,
-            prompt_digest=prompt_digest(request.prompt_token_ids),
+            prompt_digest=prompt_digest(request.prompt_token_ids, request.hash_extra_keys),
             expires_at=round(time.time() + opts.lease_s, 3),
         )
         ticket = issue_ticket(self.key, fields)

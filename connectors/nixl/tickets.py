@@ -27,6 +27,7 @@ import hmac
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import msgspec
@@ -49,9 +50,16 @@ MAX_CLAIM_BOOK = 1 << 16
 """Held requests one rank's book keeps at most (the scheduler holds no more)."""
 
 
-def prompt_digest(token_ids: Sequence[int]) -> str:
-    """SHA-256 (hex) of a prompt's token ids: what a ticket binds the blocks to."""
-    return hashlib.sha256(msgspec.msgpack.encode(list(token_ids))).hexdigest()
+def prompt_digest(
+    token_ids: Sequence[int], extra_keys: Sequence[int | str | bytes] | None = None
+) -> str:
+    """SHA-256 (hex) of a prompt's token ids and what else its KV depends on (the
+    request's block-hash extra keys: its LoRA adapter): what a ticket binds the blocks
+    to, so a transfer never crosses adapters."""
+    value: list[Any] = list(token_ids)
+    if extra_keys:
+        value = [value, list(extra_keys)]
+    return hashlib.sha256(msgspec.msgpack.encode(value)).hexdigest()
 
 
 @attrs.frozen(kw_only=True)

@@ -35,7 +35,7 @@ from pipeline.errors import InvalidRequestError
 from pipeline.lora import LoRAAdapter
 from stages.model.config import ModelConfig
 from stages.model.layers import MLP, Attention, DecoderLayer, forget_references
-from stages.model.lora_files import cached_adapter
+from stages.model.lora_files import cached_adapter, lora_shapes
 from stages.model.parallel import RowParallelLinear, TensorParallel, shard_slice
 
 __all__ = ["LoRAProjection", "LoRASlots", "LoRAStep", "attach_lora", "lora_step"]
@@ -189,6 +189,7 @@ class LoRASlots:
         self.device = device
         self._slots: OrderedDict[str, dict[tuple[int, str], Delta]] = OrderedDict()
         self._fused: dict[str, str] = {}  # a packed part → the packed projection
+        self._shapes = lora_shapes(config)
 
     def attach(self, model: nn.Module) -> None:
         """Wrap ``model``'s projections (:func:`attach_lora`) and learn which of them
@@ -301,14 +302,8 @@ class LoRASlots:
 
     def _width(self, layer: int, part: str) -> int:
         """This rank's output width of ``part``."""
-        c = self.config
-        full = {"q_proj": c.num_attention_heads * c.head_dim,
-                "k_proj": c.num_key_value_heads * c.head_dim,
-                "v_proj": c.num_key_value_heads * c.head_dim,
-                "gate_proj": c.intermediate_size, "up_proj": c.intermediate_size,
-                "o_proj": c.hidden_size, "down_proj": c.hidden_size}[part]  # fmt: skip
-        where = shard_slice(f"model.layers.{layer}.x.{part}.weight", c, self.tp)
-        return full if where is None or where[0] != 0 else where[2]
+        where = shard_slice(f"model.layers.{layer}.x.{part}.weight", self.config, self.tp)
+        return self._shapes[part][1] if where is None or where[0] != 0 else where[2]
 
     def _shard(
         self, layer: int, part: str, a: torch.Tensor, b: torch.Tensor

@@ -22,6 +22,7 @@ from connectors.nixl import (
 )
 from pipeline import SamplingParams
 from pipeline.errors import InvalidConfigError, InvalidRequestError
+from pipeline.lora import LoRAAdapter
 from pipeline.request import Request, RequestStatus
 from pipeline.transfer_params import MAX_TRANSFER_ENTRIES, check_transfer_params
 
@@ -220,6 +221,26 @@ class TestConsumer:
         assert sched.build_connector_meta(None).cancels == ("c",)  # type: ignore[arg-type]
         sched.update_connector_output(KVConnectorOutput(finished_sending=frozenset({"c"})))
         assert not sched.has_pending_work()
+
+
+class TestAdapters:
+    def test_a_ticket_binds_the_adapter(self) -> None:
+        """The params a producer answers for a LoRA adapter's request admit a consumer's
+        request of the same prompt under that adapter only: under another adapter, or
+        the base model, the ticket does not match (KV never crosses adapters)."""
+        qv = LoRAAdapter(name="qv", int_id=1, path="/a", content_id="aa" * 32, rank=8)
+        od = LoRAAdapter(name="od", int_id=2, path="/b", content_id="bb" * 32, rank=4)
+        produced = request("p", 10, {"do_remote_decode": True})
+        produced.lora = qv
+        params = finish(scheduler("producer"), produced, [4, 5, 6]).kv_transfer_params
+        for lora, admitted in ((qv, True), (od, False), (None, False)):
+            consumed = request("c", 10, params)
+            consumed.lora = lora
+            if admitted:
+                scheduler("consumer").check_request(consumed)
+                continue
+            with pytest.raises(InvalidRequestError, match="ticket"):
+                scheduler("consumer").check_request(consumed)
 
 
 class TestLostSteps:

@@ -29,6 +29,7 @@ from prometheus_client import generate_latest
 
 from connectors.store import StoreScheduler
 from connectors.testing import Fault, FaultyConnector, RecordingConnector
+from connectors.testing.lifecycle_check import check_lifecycle
 from pipeline import (
     AsyncEngine,
     EngineConfig,
@@ -66,9 +67,9 @@ def _faults(seed: int, world_size: int) -> list[Fault]:
     """One raise per save-side call and rank, each at its own random step."""
     rng = random.Random(seed)
     return [
-        Fault(call=call, action="raise", step=rng.choice(FAULT_STEPS), rank=rank)
-        for call in SAVE_CALLS
+        Fault(call=call, action="raise", step=step, rank=rank)
         for rank in range(world_size)
+        for call, step in zip(SAVE_CALLS, rng.sample(FAULT_STEPS, len(SAVE_CALLS)), strict=True)
     ]
 
 
@@ -245,6 +246,22 @@ class TestSaveSideFailures:
         assert run.counted == {call: 1.0 for call in SAVE_CALLS}
         assert len(run.tokens) == 2 * len(PROMPTS)
         check_clears(RecordingConnector.worker_calls())
+
+    def test_no_get_finished_after_a_raising_wait_for_save(
+        self, tmp_path: Path, leak_check: Callable[[dict[str, int]], None]
+    ) -> None:
+        """``get_finished`` follows a ``wait_for_save`` that returned: in a step whose
+        ``wait_for_save`` raised it is not called (its fault, planned in the same step,
+        never fires), the connector sees its calls in order, and the step still clears."""
+        faults = [Fault(call=call, action="raise", step=2) for call in SAVE_CALLS[1:]]
+        config = _config(tmp_path, 1, faults, "recording")
+        run = anyio.run(_run, config, leak_check)
+        assert run.counted == {"wait_for_save": 1.0}
+        calls = RecordingConnector.worker_calls()
+        assert check_lifecycle(calls) == []
+        step2 = [c.method for c in calls if c.step_id == 2]
+        assert "get_finished" not in step2 and step2[-1] == "clear_connector_metadata"
+        check_clears(calls)
 
 
 class TestSaveFailures:
