@@ -53,6 +53,8 @@ __all__ = [
 EXECUTORS = ("inprocess", "multiproc", "ray")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+#: How ``executor="ray"`` places its ranks (a Ray placement group's strategy).
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: The grammar backends of structured outputs (``EngineConfig.structured_outputs_backend``).
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 INLINE_FORWARD_BELOW_S = 0.002
@@ -306,6 +308,10 @@ class EngineConfig:
             ``kvstep[structured]``) or ``"xgrammar"`` (``pip install xgrammar``; JSON
             schemas, regexes, choices and GBNF/EBNF grammars, not Lark, and no reasoning
             section before the constrained output).
+        ray_placement_strategy: With ``executor="ray"``, the strategy of the placement
+            group that places one bundle per rank: ``"PACK"`` (the default: as few nodes
+            as possible), ``"SPREAD"``, ``"STRICT_PACK"`` (one node) or
+            ``"STRICT_SPREAD"`` (every rank on a node of its own).
         enable_lora: Serve LoRA adapters (vLLM's ``--enable-lora``): requests may name
             a peft adapter (``lora_request=LoRARequest(name, int_id, path)``), applied
             to that request's rows of the batch only (q/k/v/o and gate/up/down
@@ -356,6 +362,9 @@ class EngineConfig:
     )
     structured_outputs_backend: str = attrs.field(
         default="llguidance", validator=_choice(STRUCTURED_OUTPUTS_BACKENDS)
+    )
+    ray_placement_strategy: str = attrs.field(
+        default="PACK", validator=_choice(RAY_PLACEMENT_STRATEGIES)
     )
     enable_lora: bool = attrs.field(default=False, validator=_bool)
     max_loras: int = attrs.field(default=1, validator=_positive)

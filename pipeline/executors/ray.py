@@ -1,7 +1,9 @@
 """``ray``: one Ray actor per rank, tensor-parallel over torch.distributed inside them.
 
 For more than one machine. The ranks are placed by a Ray placement group (one bundle
-per rank: a CPU, or a GPU on CUDA) on whatever nodes the cluster offers; rank 0's actor
+per rank: a CPU, or a GPU on CUDA) on whatever nodes the cluster offers, packed by
+default (``EngineConfig.ray_placement_strategy``: ``"STRICT_SPREAD"`` puts every rank on
+a node of its own); rank 0's actor
 names the rendezvous address (its node's IP and a free port) and every rank joins the
 ``torch.distributed`` group there (gloo on CPU, NCCL on CUDA), exactly as the
 ``multiproc`` workers do. Each actor runs the same worker code as a worker process
@@ -117,7 +119,10 @@ class RayExecutor:
             ray.init(log_to_driver=True)
         cuda = config.device.startswith("cuda")
         bundle = {"CPU": 1.0, "GPU": 1.0} if cuda else {"CPU": 1.0}
-        group = placement_group([dict(bundle) for _ in range(config.world_size)], strategy="PACK")
+        group = placement_group(
+            [dict(bundle) for _ in range(config.world_size)],
+            strategy=config.ray_placement_strategy,
+        )
         ready_ref = group.ready()
         done, _ = ray.wait([ready_ref], timeout=START_TIMEOUT_S)
         if not done:
