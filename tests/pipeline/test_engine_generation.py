@@ -98,14 +98,17 @@ class TestGreedyMatchesTransformers:
         assert got == expected
 
 
-def _check_cached_pressed_and_split(path: Path, leak_check) -> None:
+def _check_cached_pressed_and_split(path: Path, leak_check, store: Path) -> None:
     """Greedy tokens stay transformers' with prefix-cache hits (each batch run twice),
-    under block pressure (preemption) and over two worker processes."""
+    under block pressure (preemption), over two worker processes, and loaded from a
+    connector (``shared_storage``: an engine saves, a new one loads the prompts' KV)."""
     prompts = _prompts(256)[2:6]
     expected = _hf_greedy(path, prompts, NEW_TOKENS)
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
     base = {"model": str(path), "dtype": "float32", "max_model_len": 512}
-    for options in ({}, {"num_gpu_blocks": 10}, {"executor": "multiproc", "world_size": 2}):
+    stored = {"connector": "shared_storage", "connector_options": {"path": str(store)}}
+    for options in ({}, {"num_gpu_blocks": 10}, {"executor": "multiproc", "world_size": 2},
+                    stored):  # fmt: skip
         with LLM(EngineConfig(**base, **options)) as llm:
             first = llm.generate(prompts, params)
             again = llm.generate(prompts, params)
@@ -114,27 +117,42 @@ def _check_cached_pressed_and_split(path: Path, leak_check) -> None:
         assert [list(o.token_ids) for o in again] == expected, options
         if not options:
             assert sum(o.num_cached_tokens for o in again) > 0
+    with LLM(EngineConfig(**base, **stored)) as llm:  # a new engine: loads what was saved
+        loaded = llm.generate(prompts, params)
+    assert [list(o.token_ids) for o in loaded] == expected
+    assert sum(o.metrics.num_external_tokens for o in loaded) > 0
+
+
+class TestFamilies:
+    @pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+    def test_prefix_cache_preemption_workers_and_a_connector(
+        self, kind: str, tiny_checkpoints: dict[str, Path], leak_check, tmp_path: Path
+    ) -> None:
+        """Qwen3's and Phi-3's tokens stay transformers' with prefix-cache hits, under
+        block pressure, over two worker processes and through shared_storage."""
+        _check_cached_pressed_and_split(tiny_checkpoints[kind], leak_check, tmp_path)
 
 
 class TestMixtureOfExperts:
     @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
     def test_prefix_cache_preemption_and_two_worker_processes(
-        self, kind: str, tiny_checkpoints: dict[str, Path], leak_check
+        self, kind: str, tiny_checkpoints: dict[str, Path], leak_check, tmp_path: Path
     ) -> None:
         """A mixture of experts' tokens stay transformers' with prefix-cache hits, under
-        block pressure (preemption) and split over two worker processes (experts
-        sharded)."""
-        _check_cached_pressed_and_split(tiny_checkpoints[kind], leak_check)
+        block pressure (preemption), split over two worker processes (experts sharded)
+        and through shared_storage."""
+        _check_cached_pressed_and_split(tiny_checkpoints[kind], leak_check, tmp_path)
 
 
 class TestSlidingWindow:
     def test_prefix_cache_preemption_and_two_worker_processes(
-        self, tiny_checkpoints: dict[str, Path], leak_check
+        self, tiny_checkpoints: dict[str, Path], leak_check, tmp_path: Path
     ) -> None:
         """Gemma 3's tokens (prompts of 16-100 tokens, window 8) stay transformers' with
         prefix-cache hits (cached blocks older than the window reused), under block
-        pressure (preemption) and split over two worker processes (heads sharded)."""
-        _check_cached_pressed_and_split(tiny_checkpoints["gemma3"], leak_check)
+        pressure (preemption), split over two worker processes (heads sharded) and
+        through shared_storage."""
+        _check_cached_pressed_and_split(tiny_checkpoints["gemma3"], leak_check, tmp_path)
 
 
 class TestSampling:
