@@ -61,6 +61,12 @@ _REFUSED: Mapping[str, tuple[object, ...]] = {
     "use_qalora": (False, None),
 }
 _CACHE_SIZE = 8
+#: Projections a checkpoint stores packed (Phi-3) and peft targets as one; an adapter's
+#: ``B`` of one is its parts' ``B`` stacked by output rows, with one ``A`` for all.
+PACKED_TARGETS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 def lora_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -75,6 +81,19 @@ def lora_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
         inter = config.intermediate_size
         shapes |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter),
                    "down_proj": (inter, hidden)}  # fmt: skip
+    return shapes
+
+
+def _file_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The projections an adapter file of ``config``'s model names: :func:`lora_shapes`,
+    and for a checkpoint that stores q/k/v and gate/up packed (Phi-3) those packs, which
+    is what peft targets there."""
+    shapes = lora_shapes(config)
+    if config.architecture == "Phi3ForCausalLM":
+        for packed, parts in PACKED_TARGETS.items():
+            shapes[packed] = (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
+            for part in parts:
+                del shapes[part]
     return shapes
 
 
@@ -147,7 +166,7 @@ def _targets(
             pattern = re.compile(targets)
         except re.error:
             raise _bad(request, f"target_modules={targets!r} is not a valid regex") from None
-        names = {n for n in LORA_TARGETS if pattern.fullmatch(n) or targets == n}
+        names = {n for n in allowed if pattern.fullmatch(n) or targets == n}
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
         names = {t.rpartition(".")[2] for t in targets}
         unknown = sorted(names - set(allowed))
@@ -159,7 +178,7 @@ def _targets(
             )
     else:
         raise _bad(request, f"target_modules={targets!r}: must be a list of names or a regex")
-    chosen = tuple(n for n in LORA_TARGETS if n in names and n in allowed)
+    chosen = tuple(n for n in allowed if n in names)
     if not chosen:
         raise _bad(request, f"target_modules={targets!r} names none of {', '.join(allowed)}")
     return chosen
@@ -223,6 +242,22 @@ def _parse(
     return out
 
 
+def _unpack(
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+    shapes: Mapping[str, tuple[int, int]],
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Packed targets' pairs as their parts' (the one ``A``, ``B``'s rows of each)."""
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), (a, b) in tensors.items():
+        parts = PACKED_TARGETS.get(module)
+        if parts is None:
+            out[layer, module] = (a, b)
+            continue
+        pieces = b.split([shapes[p][1] for p in parts])
+        out.update({(layer, p): (a, piece) for p, piece in zip(parts, pieces, strict=True)})
+    return out
+
+
 def read_adapter(request: LoRARequest, config: ModelConfig, *, max_rank: int) -> AdapterWeights:
     """Read and check ``request``'s adapter directory against the base model ``config``.
 
@@ -236,13 +271,14 @@ def read_adapter(request: LoRARequest, config: ModelConfig, *, max_rank: int) ->
     if not directory.is_dir():
         raise _bad(request, "is not a directory")
     cfg = _read_config(request, directory, max_rank)
-    shapes = lora_shapes(config)
-    targets = _targets(request, cfg, shapes)
+    shapes = _file_shapes(config)
+    named = _targets(request, cfg, shapes)
     r = cfg["r"]
     layers = config.num_hidden_layers
-    need = sum(r * (shapes[t][0] + shapes[t][1]) * 4 for t in targets) * layers
+    need = sum(r * (shapes[t][0] + shapes[t][1]) * 4 for t in named) * layers
     data = _read_weights(request, directory, need + _HEADER_SLACK)
-    tensors = _parse(request, data, targets, shapes, layers, r)
+    tensors = _unpack(_parse(request, data, named, shapes, layers, r), lora_shapes(config))
+    targets = tuple(t for t in LORA_TARGETS if any(m == t for _, m in tensors))
     alpha = float(cfg.get("lora_alpha", 8))
     rslora = bool(cfg.get("use_rslora", False))
     applied = json.dumps({"r": r, "lora_alpha": alpha, "use_rslora": rslora,

@@ -232,3 +232,31 @@ def test_tensor_parallel_workers(setup: Setup, leak_check: Callable[..., None]) 
         leak_check(llm.leak_report())
     for (name, p), out in zip(rows, outs, strict=True):
         assert list(out.token_ids) == setup.refs[name, p], (name, p)
+
+
+class TestFamilies:
+    @pytest.mark.parametrize(
+        ("kind", "targets"),
+        [
+            ("gemma3", ["q_proj", "v_proj", "down_proj"]),
+            ("qwen3_moe", ["q_proj", "o_proj"]),  # its experts take no adapter
+            ("phi3", ["qkv_proj", "gate_up_proj", "o_proj"]),  # peft's names of its packs
+        ],
+    )
+    def test_base_and_adapter_rows_match_peft(
+        self, kind: str, targets: list[str], tmp_path: Path, leak_check: Any
+    ) -> None:
+        """Gemma 3 (GeGLU), Qwen3-MoE (attention only) and Phi-3 (an adapter on its
+        packed q/k/v and gate/up, read as their parts): one batch of a base row and an
+        adapter row gives transformers + peft's tokens for each."""
+        base = build_checkpoint(kind, tmp_path / kind)
+        adapter = build_adapter(base, tmp_path / "a", r=8, lora_alpha=16, target_modules=targets)
+        prompt = PROMPTS[1]
+        refs = [peft_greedy(base, None, prompt, N), peft_greedy(base, adapter, prompt, N)]
+        assert refs[0] != refs[1]
+        with LLM(EngineConfig(model=str(base), enable_lora=True)) as llm:
+            outs = llm.generate(
+                [prompt, prompt], GREEDY, lora_request=[None, LoRARequest("a", 1, str(adapter))]
+            )
+            leak_check(llm.leak_report())
+        assert [list(o.token_ids) for o in outs] == refs
