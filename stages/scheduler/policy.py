@@ -159,7 +159,7 @@ def _schedule_waiting(
     (async scheduling): their places count as free, as they are once it is applied."""
     skipped: list[Request] = []
     now: float | None = None
-    adapters: set[int] | None = None  # of the running requests, once one needs them
+    adapters: set[str] | None = None  # of the running requests, once one needs them
     while state.waiting and budget > 0 and len(state.running) - ending < limits.max_num_seqs:
         request = state.waiting[0]
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -167,8 +167,8 @@ def _schedule_waiting(
             continue
         if request.lora is not None:
             if adapters is None:
-                adapters = {r.lora.int_id for r in state.running if r.lora is not None}
-            if request.lora.int_id not in adapters and len(adapters) >= limits.max_loras:
+                adapters = {r.lora.content_id for r in state.running if r.lora is not None}
+            if request.lora.content_id not in adapters and len(adapters) >= limits.max_loras:
                 skipped.append(state.waiting.popleft())  # as vLLM: one more adapter waits
                 continue
         if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not grammar_ready(
@@ -228,7 +228,7 @@ def _schedule_waiting(
             request.first_scheduled_time = now
         state.running.append(request)
         if adapters is not None and request.lora is not None:
-            adapters.add(request.lora.int_id)
+            adapters.add(request.lora.content_id)
         scheduled.append(_schedule(state, request, num_new))
         budget -= num_new
     state.waiting.extendleft(reversed(skipped))

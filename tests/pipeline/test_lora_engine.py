@@ -220,6 +220,31 @@ class TestAsyncEngine:
                     await anyio.sleep(0.01)
             leak_check(engine.leak_report())
 
+    @pytest.mark.anyio
+    async def test_an_id_reloaded_with_other_weights(self, setup: Setup, leak_check: Any) -> None:
+        """``remove_lora`` then the same name and id with another directory, while a
+        request of the old weights still runs (``max_loras=1``): each request keeps its
+        own weights' tokens (the old one finishes first: they are two adapters)."""
+        qv, od_path = setup.requests["qv"], str(setup.paths["od"])
+        long = SamplingParams(max_tokens=3 * N, min_tokens=3 * N, temperature=0.0)
+        async with AsyncEngine(config(setup, max_loras=1)) as engine:
+            await engine.add_lora(qv)
+            old = engine.generate(PROMPTS[0], long, lora_request=qv)
+            first = await old.__anext__()
+            assert engine.remove_lora("qv")
+            new = engine.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("qv", 1, od_path))
+            finals = {}
+            for name, stream in (("old", old), ("new", new)):
+                async for out in stream:
+                    finals[name] = out
+            with anyio.fail_after(10):
+                while not engine.is_idle:
+                    await anyio.sleep(0.01)
+            leak_check(engine.leak_report())
+        assert first.token_ids
+        assert list(finals["old"].token_ids)[:N] == setup.refs["qv", 0]
+        assert list(finals["new"].token_ids) == setup.refs["od", 0]
+
 
 @pytest.mark.slow
 def test_tensor_parallel_workers(setup: Setup, leak_check: Callable[..., None]) -> None:
