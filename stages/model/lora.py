@@ -22,8 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import attrs
 import torch
@@ -35,12 +34,11 @@ from pipeline.errors import InvalidRequestError
 from pipeline.lora import LoRAAdapter
 from stages.model.config import ModelConfig
 from stages.model.layers import MLP, Attention, DecoderLayer, forget_references
-from stages.model.lora_files import cached_adapter, lora_shapes
+from stages.model.lora_files import PACKED_TARGETS, cached_adapter, lora_shapes
 from stages.model.parallel import RowParallelLinear, TensorParallel, shard_slice
 
 __all__ = ["LoRAProjection", "LoRASlots", "LoRAStep", "attach_lora", "lora_step"]
 
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _PARENTS = (("self_attn", ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")),
             ("mlp", ("gate_up_proj", "gate_proj", "up_proj", "down_proj")))  # fmt: skip
 
@@ -137,7 +135,7 @@ def attach_lora(model: nn.Module) -> int:
             for name in names:
                 child = parent._modules.get(name)
                 packed = any(name in parts and fused in parent._modules
-                             for fused, parts in _FUSED.items())  # fmt: skip
+                             for fused, parts in PACKED_TARGETS.items())  # fmt: skip
                 if child is None or packed or isinstance(child, LoRAProjection):
                     continue
                 parent._modules[name] = LoRAProjection(child, (layer, name))
@@ -196,12 +194,9 @@ class LoRASlots:
         are packed."""
         attach_lora(model)
         for module in model.modules():
-            for fused, parts in _FUSED.items():
+            for fused, parts in PACKED_TARGETS.items():
                 if fused in module._modules:
                     self._fused.update(dict.fromkeys(parts, fused))
-
-    def __len__(self) -> int:
-        return len(self._slots)
 
     def step(self, requests: Sequence[ScheduledRequest]) -> LoRAStep | None:
         """The adapters and rows of a batch of ``requests`` (rows in their order, as
@@ -244,7 +239,9 @@ class LoRASlots:
             groups.append((rows, deltas))
         return LoRAStep(tuple(groups))
 
-    def _load(self, adapter: LoRAAdapter, keep: Any) -> dict[tuple[int, str], Delta]:
+    def _load(self, adapter: LoRAAdapter, keep: Collection[str]) -> dict[tuple[int, str], Delta]:
+        """``adapter``'s updates, from its slot or loaded into the least recently used
+        slot whose adapter is not in ``keep`` (the step's)."""
         key = adapter.content_id
         deltas = self._slots.get(key)
         if deltas is not None:
@@ -260,7 +257,7 @@ class LoRASlots:
 
     def _deltas(
         self,
-        tensors: Any,
+        tensors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
         targets: tuple[str, ...],
         scaling: float,
     ) -> dict[tuple[int, str], Delta]:
@@ -270,14 +267,16 @@ class LoRASlots:
         for target in targets:
             grouped.setdefault(self._fused.get(target, target), []).append(target)
         return {
-            (layer, name): self._delta(tensors, layer, _FUSED.get(name, (name,)), chosen, scaling)
+            (layer, name): self._delta(
+                tensors, layer, PACKED_TARGETS.get(name, (name,)), chosen, scaling
+            )
             for layer in range(self.config.num_hidden_layers)
             for name, chosen in grouped.items()
         }
 
     def _delta(
         self,
-        tensors: Any,
+        tensors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
         layer: int,
         parts: tuple[str, ...],
         chosen: list[str],

@@ -35,6 +35,7 @@ import torch
 from pipeline.errors import InvalidRequestError
 from pipeline.lora import LORA_TARGETS, LoRAAdapter, LoRARequest
 from stages.model.config import ModelConfig
+from stages.model.linear_kernels import FUSED_GROUPS
 
 __all__ = ["AdapterWeights", "cached_adapter", "lora_shapes", "read_adapter", "resolve_adapter"]
 
@@ -63,10 +64,7 @@ _REFUSED: Mapping[str, tuple[object, ...]] = {
 _CACHE_SIZE = 8
 #: Projections a checkpoint stores packed (Phi-3) and peft targets as one; an adapter's
 #: ``B`` of one is its parts' ``B`` stacked by output rows, with one ``A`` for all.
-PACKED_TARGETS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
+PACKED_TARGETS: Mapping[str, tuple[str, ...]] = dict(FUSED_GROUPS)
 
 
 def lora_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
