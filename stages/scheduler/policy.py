@@ -199,7 +199,7 @@ def _schedule_waiting(
     if not state.waiting or budget <= 0 or len(state.running) - ending >= limits.max_num_seqs:
         return
     fair = (
-        FairOrder(state.waiting, state.running, limits.by_priority)
+        FairOrder(state.waiting, state.running, limits.by_priority, state.tenants)
         if limits.tenant_fair_share
         else None
     )

@@ -26,6 +26,7 @@ from pipeline.logger import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
 from pipeline.transfer_params import check_transfer_params
 from stages.scheduler.kv_manager import KVCacheManager
+from stages.scheduler.tenants import TenantLedger
 
 __all__ = ["SchedulerState", "make_output", "priority_key"]
 
@@ -124,6 +125,7 @@ class SchedulerState:
             kept (equal to the token sampled at their position).
         step_draft_outcomes: Of the step applied last, each drafted request's drafts
             verified and kept.
+        tenants: When each tenant was last served (tenant fair share; bounded).
     """
 
     kv: KVCacheManager
@@ -145,6 +147,7 @@ class SchedulerState:
     num_preemptions: int = 0
     spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
     step_draft_outcomes: dict[str, tuple[int, int]] = attrs.field(factory=dict)
+    tenants: TenantLedger = attrs.field(factory=TenantLedger)
 
     def enqueue(self, request: Request) -> None:
         """Put ``request`` in :attr:`waiting`: last (FCFS), or after every request of a
