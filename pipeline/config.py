@@ -372,9 +372,7 @@ class EngineConfig:
     enable_lora: bool = attrs.field(default=False, validator=_bool)
     max_loras: int = attrs.field(default=1, validator=_positive)
     max_lora_rank: int = attrs.field(default=16, validator=_lora_rank)
-    scheduling_policy: str = attrs.field(
-        default="fcfs", validator=_choice(SCHEDULING_POLICIES)
-    )
+    scheduling_policy: str = attrs.field(default="fcfs", validator=_choice(SCHEDULING_POLICIES))
     tenant_fair_share: bool = attrs.field(default=False, validator=_bool)
 
     def __attrs_post_init__(self) -> None:

@@ -52,7 +52,7 @@ def start_order(scheduler: Scheduler, max_steps: int = 500) -> list[str]:
 class TestConstruction:
     def test_unknown_policy_is_refused_by_name(self) -> None:
         """Only fcfs and priority are policies; the error names the field."""
-        with pytest.raises(InvalidConfigError, match="scheduling_policy.*fcfs, priority"):
+        with pytest.raises(InvalidConfigError, match=r"scheduling_policy.*fcfs, priority"):
             make_scheduler(scheduling_policy="lifo")
 
     def test_fair_share_must_be_a_bool(self) -> None:
