@@ -322,9 +322,10 @@ class EngineConfig:
             ``priority`` is refused under ``"fcfs"``, as vLLM does.
         tenant_fair_share: Share the running slots fairly among tenants (a request's
             ``tenant``; the server reads it from the ``X-Tenant-Id`` header): a free slot
-            goes to the waiting request of the tenant with the fewest running requests
-            (ties: queue order), so one tenant's flood cannot starve the others. A lone
-            tenant still gets every slot. Under ``"priority"``, priority comes first.
+            goes to the waiting request of the tenant with the fewest running requests,
+            then the one served least recently (round robin), so one tenant's flood
+            cannot starve the others. A lone tenant still gets every slot. Under
+            ``"priority"``, priority comes first.
     """
 
     model: str = attrs.field(default="builtin:tiny", validator=_model)
