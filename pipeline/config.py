@@ -55,6 +55,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 #: How ``executor="ray"`` places its ranks (a Ray placement group's strategy).
 RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+#: How waiting requests are ordered (``EngineConfig.scheduling_policy``), as vLLM's.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 #: The grammar backends of structured outputs (``EngineConfig.structured_outputs_backend``).
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 INLINE_FORWARD_BELOW_S = 0.002
@@ -319,6 +321,17 @@ class EngineConfig:
         max_loras: Most adapters in one step (each worker holds that many, least
             recently used out first); a request whose adapter would be one more waits.
         max_lora_rank: Largest adapter rank accepted (at most 512).
+        scheduling_policy: ``"fcfs"`` (the default: waiting requests start in arrival
+            order) or ``"priority"`` (vLLM's ``--scheduling-policy priority``: by each
+            request's ``priority``, lower first, ties by arrival; a running request of a
+            lower priority is preempted when a higher one cannot start). A non-zero
+            ``priority`` is refused under ``"fcfs"``, as vLLM does.
+        tenant_fair_share: Share the running slots fairly among tenants (a request's
+            ``tenant``; the server reads it from the ``X-Tenant-Id`` header): a free slot
+            goes to the waiting request of the tenant with the fewest running requests,
+            then the one served least recently (round robin), so one tenant's flood
+            cannot starve the others. A lone tenant still gets every slot. Under
+            ``"priority"``, priority comes first.
     """
 
     model: str = attrs.field(default="builtin:tiny", validator=_model)
@@ -369,6 +382,8 @@ class EngineConfig:
     enable_lora: bool = attrs.field(default=False, validator=_bool)
     max_loras: int = attrs.field(default=1, validator=_positive)
     max_lora_rank: int = attrs.field(default=16, validator=_lora_rank)
+    scheduling_policy: str = attrs.field(default="fcfs", validator=_choice(SCHEDULING_POLICIES))
+    tenant_fair_share: bool = attrs.field(default=False, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         entries = check_logits_processors(

@@ -84,10 +84,12 @@ class Request:
         "num_preemptions",
         "num_prefix_cached_tokens",
         "num_prompt_tokens",
+        "priority",
         "prompt_logprobs",
         "request_id",
         "sampling_params",
         "status",
+        "tenant",
     )
 
     def __init__(
@@ -98,8 +100,14 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         lora: LoRAAdapter | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # Under the priority policy, lower runs first (ties by arrival); never changed.
+        self.priority = priority
+        # Whose request it is, for tenant fair share (``None``: the unnamed tenant).
+        self.tenant = tenant
         # The adapter the request runs with (``None``: the base model); every block
         # hash of the request covers it. Set before the first hash, never changed.
         self.lora = lora

@@ -13,7 +13,13 @@ from typing import Any
 
 import attrs
 
-from pipeline.config import DTYPES, EXECUTORS, LOAD_FAILURE_POLICIES, EngineConfig
+from pipeline.config import (
+    DTYPES,
+    EXECUTORS,
+    LOAD_FAILURE_POLICIES,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
 
 __all__ = ["CHOICES", "RUN_DEFAULTS", "config_flag_help", "finish_help"]
 
@@ -22,6 +28,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "executor": EXECUTORS,
     "load_failure_policy": LOAD_FAILURE_POLICIES,
+    "scheduling_policy": SCHEDULING_POLICIES,
     "device": ("auto", "cpu", "cuda", "cuda:N"),
 }
 

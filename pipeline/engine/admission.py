@@ -19,7 +19,11 @@ from pipeline.lora import LoRAAdapter
 from pipeline.request import Request
 from pipeline.transfer_params import check_transfer_params
 
-__all__ = ["check_params", "check_prompt"]
+__all__ = ["MAX_TENANT_CHARS", "check_params", "check_priority", "check_prompt", "check_tenant"]
+
+#: Longest tenant name (``generate(..., tenant=...)``, the ``X-Tenant-Id`` header).
+MAX_TENANT_CHARS = 128
+_INT64 = 2**63
 
 
 def check_prompt(
@@ -75,6 +79,47 @@ def check_params(params: object, output_text: OutputText, vocab_size: int) -> Sa
     return checked
 
 
+def check_priority(priority: object, policy: str) -> int:
+    """Return ``priority`` if the engine's scheduling ``policy`` takes it.
+
+    Raises:
+        InvalidRequestError: Not an integer in the 64-bit range (a bool is not one), or
+            not 0 under ``"fcfs"`` (as vLLM: priorities need the priority policy).
+    """
+    if type(priority) is not int or not -_INT64 <= priority < _INT64:
+        raise InvalidRequestError("priority", priority, "must be a 64-bit integer")
+    if priority != 0 and policy != "priority":
+        raise InvalidRequestError(
+            "priority",
+            priority,
+            "is only supported with the priority scheduling policy "
+            "(scheduling_policy='priority', --scheduling-policy priority); must be 0",
+        )
+    return priority
+
+
+def check_tenant(tenant: object) -> str | None:
+    """Return ``tenant``: ``None`` or a printable string of 1 to
+    :data:`MAX_TENANT_CHARS` characters.
+
+    Raises:
+        InvalidRequestError: Anything else.
+    """
+    if tenant is None:
+        return None
+    if (
+        not isinstance(tenant, str)
+        or not 0 < len(tenant) <= MAX_TENANT_CHARS
+        or not tenant.isprintable()
+    ):
+        raise InvalidRequestError(
+            "tenant",
+            tenant if not isinstance(tenant, str) else tenant[:40],
+            f"must be a printable string of 1 to {MAX_TENANT_CHARS} characters, or None",
+        )
+    return tenant
+
+
 def new_request(
     request_id: str,
     prompt: list[int],
@@ -84,8 +129,11 @@ def new_request(
     arrival_time: float | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
     lora: LoRAAdapter | None = None,
+    priority: int = 0,
+    tenant: str | None = None,
 ) -> Request:
-    """The :class:`Request` of a validated prompt and ``params``.
+    """The :class:`Request` of a validated prompt and ``params`` (and a checked
+    ``priority`` and ``tenant``, :func:`check_priority`, :func:`check_tenant`).
 
     ``eos_token_id`` is the model's (its first when it lists several); ``arrival_time``
     (``time.monotonic()``, default now) must be a finite time in the past;
@@ -110,6 +158,8 @@ def new_request(
         eos_token_id=eos,
         arrival_time=now if arrival_time is None else arrival_time,
         lora=lora,
+        priority=priority,
+        tenant=tenant,
     )
     request.kv_transfer_params = transfer
     return request

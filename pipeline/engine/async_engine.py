@@ -153,6 +153,8 @@ class AsyncEngine:
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> RequestStream:
         """Admit one request; iterate the result for its outputs.
 
@@ -176,9 +178,15 @@ class AsyncEngine:
         loop (:meth:`add_lora`), and the request is admitted then; a bad adapter
         directory ends the stream with its ``InvalidRequestError`` when iterated.
 
+        ``priority`` (vLLM's, with ``scheduling_policy="priority"``; must be 0 under
+        ``"fcfs"``): lower runs first, ties by arrival; a running request of a lower
+        priority is preempted when this one cannot start. ``tenant``: whose request it
+        is, for ``tenant_fair_share`` (``None``: the unnamed tenant).
+
         Raises at once (before anything is queued): ``InvalidRequestError`` for a bad
-        prompt, parameters (a ``dict`` where ``SamplingParams`` is expected) or
-        ``kv_transfer_params`` (:mod:`pipeline.transfer_params`),
+        prompt, parameters (a ``dict`` where ``SamplingParams`` is expected),
+        ``kv_transfer_params`` (:mod:`pipeline.transfer_params`), ``priority`` or
+        ``tenant``,
         ``EngineOverloaded`` past ``max_queue_depth``, ``EngineDeadError`` when the step
         loop has died, ``EngineNotStartedError`` before ``async with`` or after it.
         """
@@ -189,6 +197,7 @@ class AsyncEngine:
         check_one_prompt(prompt)
         token_ids = core.validate_prompt(prompt)
         transfer = check_transfer_params(kv_transfer_params)
+        priority, tenant = core.validate_priority(priority, tenant)
         params = SamplingParams() if params is None else params
         if len(self._streams) >= self.config.max_queue_depth:
             raise EngineOverloaded(len(self._streams), self.config.max_queue_depth)
@@ -205,12 +214,19 @@ class AsyncEngine:
             arrival_time = time.monotonic() if arrival_time is None else arrival_time
             admit = functools.partial(
                 core.add_request, request_id, token_ids, params, arrival_time,
-                kv_transfer_params=transfer,
+                kv_transfer_params=transfer, priority=priority, tenant=tenant,
             )  # fmt: skip
             self._tg.start_soon(self._admit_with_adapter, stream, lora_request, admit)
             return stream
         core.add_request(
-            request_id, token_ids, params, arrival_time, kv_transfer_params=transfer, lora=lora
+            request_id,
+            token_ids,
+            params,
+            arrival_time,
+            kv_transfer_params=transfer,
+            lora=lora,
+            priority=priority,
+            tenant=tenant,
         )
         self._streams[request_id] = stream
         self._wakeup.set()

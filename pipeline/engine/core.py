@@ -18,7 +18,13 @@ from connectors.base import KVConnectorRole, KVConnectorScheduler
 from connectors.registry import create_connector, get_connector
 from pipeline.artifacts import EngineStepOutput
 from pipeline.config import EngineConfig, SamplingParams
-from pipeline.engine.admission import check_params, check_prompt, new_request
+from pipeline.engine.admission import (
+    check_params,
+    check_priority,
+    check_prompt,
+    check_tenant,
+    new_request,
+)
 from pipeline.engine.kv_events import start_kv_events
 from pipeline.engine.lora_registry import LoRARegistry
 from pipeline.engine.output_text import OutputText
@@ -192,6 +198,13 @@ class EngineCore:
         ``InvalidRequestError`` (:func:`~pipeline.engine.admission.check_params`)."""
         return check_params(params, self.output_text, self.model_config.vocab_size)
 
+    def validate_priority(self, priority: object, tenant: object = None) -> tuple[int, str | None]:
+        """Return ``(priority, tenant)`` if this engine takes them, or raise
+        ``InvalidRequestError`` naming the bad one: a non-zero ``priority`` needs
+        ``scheduling_policy="priority"`` (as vLLM), a tenant is a short printable
+        string (:func:`~pipeline.engine.admission.check_tenant`)."""
+        return check_priority(priority, self.config.scheduling_policy), check_tenant(tenant)
+
     def add_request(
         self,
         request_id: str,
@@ -201,6 +214,8 @@ class EngineCore:
         *,
         kv_transfer_params: dict[str, Any] | None = None,
         lora: LoRAAdapter | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> None:
         """Admit one request (its prompt already validated).
 
@@ -213,14 +228,19 @@ class EngineCore:
                 workers get only what the connector's metadata carries.
             lora: The request's LoRA adapter, one this engine's :attr:`loras` resolved
                 (``None``: the base model).
+            priority: Under ``scheduling_policy="priority"``, lower runs first (ties by
+                arrival); must be 0 otherwise.
+            tenant: Whose request it is, for ``tenant_fair_share`` (``None``: the
+                unnamed tenant).
 
         Raises:
             InvalidRequestError: ``params`` is not a ``SamplingParams`` the workers'
                 decoder accepts (e.g. altered after it was checked); ``arrival_time``
                 is not a finite time in the past; ``kv_transfer_params`` is not a small
-                JSON object.
+                JSON object; a bad ``priority`` or ``tenant`` (:meth:`validate_priority`).
         """
         self.validate_params(params)
+        priority, tenant = self.validate_priority(priority, tenant)
         request = new_request(
             request_id,
             prompt,
@@ -229,6 +249,8 @@ class EngineCore:
             arrival_time=arrival_time,
             kv_transfer_params=kv_transfer_params,
             lora=self._known_lora(lora),
+            priority=priority,
+            tenant=tenant,
         )
         if self.connector is not None:
             self.connector.check_request(request)

@@ -79,6 +79,8 @@ class LLM:
         *,
         kv_transfer_params: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] = 0,
+        tenant: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs are in prompt order.
 
@@ -101,13 +103,19 @@ class LLM:
         of one (or ``None``: the base model) per prompt. Each adapter is read and
         checked before any prompt is queued.
 
+        ``priority`` (vLLM's; ``scheduling_policy="priority"``, else 0): one for every
+        prompt or a list of one per prompt; lower runs first, ties by arrival (here: by
+        prompt order). ``tenant`` (``tenant_fair_share``): one for every prompt, or a
+        list of one (or ``None``) per prompt.
+
         A request that fails ends with ``finish_reason="error"``; the others complete.
         Bad input raises before any prompt is queued.
 
         Raises:
-            InvalidRequestError: A bad prompt, parameters or ``kv_transfer_params``
-                (nothing was queued): an empty list, a ``dict`` (or anything else) where
-                ``SamplingParams`` is expected, one transfer dict for several prompts.
+            InvalidRequestError: A bad prompt, parameters, ``kv_transfer_params``,
+                ``priority`` or ``tenant`` (nothing was queued): an empty list, a
+                ``dict`` (or anything else) where ``SamplingParams`` is expected, one
+                transfer dict for several prompts.
             EngineDeadError: The engine died (a worker process or actor is gone).
         """
         prompt_list = as_prompt_list(prompts)
@@ -124,8 +132,30 @@ class LLM:
             self.engine.core.validate_params(each)
         checked = [self.engine.core.validate_prompt(p) for p in prompt_list]
         transfers = transfer_params_per_prompt(kv_transfer_params, len(prompt_list))
+        ranks = self._ranks_per_prompt(priority, tenant, len(prompt_list))
         loras = self._loras_per_prompt(lora_request, len(prompt_list))
-        return self._portal.call(self._generate, checked, per_prompt, transfers, loras)
+        return self._portal.call(self._generate, checked, per_prompt, transfers, loras, ranks)
+
+    def _ranks_per_prompt(
+        self, priority: int | Sequence[int], tenant: str | Sequence[str | None] | None, n: int
+    ) -> list[tuple[int, str | None]]:
+        """One checked ``(priority, tenant)`` per prompt."""
+        priorities: list[object]
+        if isinstance(priority, Sequence) and not isinstance(priority, str | bytes):
+            if len(priority) != n:
+                raise InvalidRequestError("priority", priority, f"must be an int or {n} of them")
+            priorities = list(priority)
+        else:
+            priorities = [priority] * n
+        tenants: list[object]
+        if tenant is None or isinstance(tenant, str):
+            tenants = [tenant] * n
+        elif isinstance(tenant, Sequence) and len(tenant) == n:
+            tenants = list(tenant)
+        else:
+            raise InvalidRequestError("tenant", tenant, f"must be a string, None, or {n} of them")
+        core = self.engine.core
+        return [core.validate_priority(p, t) for p, t in zip(priorities, tenants, strict=True)]
 
     def _loras_per_prompt(
         self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
@@ -150,6 +180,7 @@ class LLM:
         params: list[SamplingParams],
         transfers: list[dict[str, Any] | None],
         loras: list[LoRARequest | None],
+        ranks: list[tuple[int, str | None]],
     ) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(prompts)
         limit = anyio.Semaphore(self.config.max_queue_depth)
@@ -161,6 +192,8 @@ class LLM:
                     params[index],
                     kv_transfer_params=transfers[index],
                     lora_request=loras[index],
+                    priority=ranks[index][0],
+                    tenant=ranks[index][1],
                 )
                 async for out in stream:
                     results[index] = out

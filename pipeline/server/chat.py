@@ -51,6 +51,7 @@ from pipeline.server.choices import (
 from pipeline.server.completions import logprob_entries, served_name
 from pipeline.server.errors import arrival_time, note_ignored_fields
 from pipeline.server.fanin import FanInStream, admit, collect_unless_gone, copy_params, sse
+from pipeline.server.fields import TENANT_HEADER, tenant
 from pipeline.server.limits import check_choices, check_prompt_logprobs
 from pipeline.server.logprobs_format import TokenTexts, prompt_logprobs_json
 from pipeline.server.prompt_field import fit_max_tokens
@@ -95,6 +96,8 @@ async def chat_completions(request: Request) -> Response:
         arrival_time(request),
         fields.kv_transfer_params,
         lora,
+        priority=fields.priority,
+        tenant=tenant(request.headers.get(TENANT_HEADER)),
     )
     texts = TokenTexts(state.tokenizer)
     choices = [

@@ -73,11 +73,15 @@ async def admit(
     arrival_time: float | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
     lora_request: LoRARequest | None = None,
+    priority: int = 0,
+    tenant: str | None = None,
 ) -> list[RequestStream]:
     """One engine request per (prompt, params), in order; all or none are admitted.
     ``arrival_time``: when the HTTP request arrived (``time.monotonic()``);
     ``kv_transfer_params``: the one request's connector data (never shared by several);
-    ``lora_request``: the adapter the requested model names (``None``: the base model)."""
+    ``lora_request``: the adapter the requested model names (``None``: the base model);
+    ``priority`` and ``tenant``: every request's (the body's ``priority``, the
+    ``X-Tenant-Id`` header)."""
     if kv_transfer_params is not None and len(prompts) != 1:
         raise InvalidRequestError(
             "kv_transfer_params", f"<{len(prompts)} requests>", "belongs to one engine request"
@@ -95,6 +99,8 @@ async def admit(
                 arrival_time=arrival_time,
                 kv_transfer_params=kv_transfer_params,
                 lora_request=lora_request,
+                priority=priority,
+                tenant=tenant,
             )
             streams.append(stream)
     except BaseException:

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from pipeline.config import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from pipeline.engine.admission import MAX_TENANT_CHARS
 from pipeline.errors import InvalidRequestError
 from pipeline.logprobs import MAX_LOGPROBS
 from pipeline.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -17,6 +18,7 @@ from pipeline.server.errors import UnsupportedFieldError, short_value
 
 __all__ = [
     "MAX_N",
+    "TENANT_HEADER",
     "best_of",
     "choices_n",
     "count",
@@ -28,11 +30,14 @@ __all__ = [
     "stop_ids",
     "stop_strings",
     "stream_options",
+    "tenant",
 ]
 
 INT64 = 2**63
 #: Most choices per prompt (``n``); a request's prompts times ``n`` is capped as well.
 MAX_N = 16
+#: The request header that names a request's tenant (``tenant_fair_share``).
+TENANT_HEADER = "X-Tenant-Id"
 
 
 def optional(body: dict[Any, Any], name: str, kind: type, what: str) -> Any:
@@ -172,3 +177,18 @@ def stream_options(value: object) -> bool:
 def field_name(key: str) -> str:
     """A field name fit for a message, a log line and JSON (no lone surrogates)."""
     return key[:64].encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def tenant(value: str | None) -> str | None:
+    """The ``X-Tenant-Id`` header's tenant: absent is ``None`` (the unnamed tenant),
+    else a printable string of 1 to ``MAX_TENANT_CHARS`` characters. The server trusts
+    it: a deployment that shares an engine among tenants has its gateway set it."""
+    if value is None:
+        return None
+    if not 0 < len(value) <= MAX_TENANT_CHARS or not value.isprintable():
+        raise InvalidRequestError(
+            TENANT_HEADER,
+            short_value(value),
+            f"must be 1 to {MAX_TENANT_CHARS} printable characters",
+        )
+    return value

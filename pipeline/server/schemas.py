@@ -13,6 +13,8 @@ must be finite and lists are capped. Both endpoints take:
 - vLLM's ``kv_transfer_params`` (disaggregated prefill/decode): a small JSON object for
   the KV connector (see :mod:`pipeline.transfer_params` for the bounds), refused with
   ``n`` > 1 or a batch of prompts; the response carries the connector's answer;
+- vLLM's ``priority`` (an integer, default 0; lower runs first under
+  ``--scheduling-policy priority``; a non-zero one is refused under ``fcfs``, as vLLM);
 - vLLM's ``vllm_xargs``: a JSON object of arguments for the engine's custom logits
   stages, which becomes ``SamplingParams.extra_args`` (the bounds are
   :func:`~pipeline.sampling_params.check_extra_args`'; a bad one is a 400 naming
@@ -79,6 +81,7 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 _KNOWN = frozenset(
     {"model", "stream", "stream_options", "n", "best_of", "user", "seed", "ignore_eos"}
+    | {"priority"}
     | {"stop", "include_stop_str_in_output", "prompt_logprobs", "stop_token_ids"}
     | {"logit_bias", "logprobs", "kv_transfer_params", "vllm_xargs", *_INTS, *_FLOATS}
     | BODY_FIELDS
@@ -108,6 +111,7 @@ class SharedFields:
         echo: Completions' ``echo`` (always false for chat).
         kv_transfer_params: vLLM's ``kv_transfer_params``, checked and copied
             (:mod:`pipeline.transfer_params`), or ``None``.
+        priority: vLLM's ``priority`` (0 when absent or null).
         ignored: The body's unknown field names, sorted (ignored, not refused; the
             response names them in its ``X-Kvstep-Ignored-Fields`` header).
     """
@@ -122,6 +126,7 @@ class SharedFields:
     prompt_logprobs: int | None = None
     echo: bool = False
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0
     ignored: tuple[str, ...] = ()
 
 
@@ -174,6 +179,11 @@ def parse_shared_fields(
     model = f.optional(body, "model", str, "a string")
     f.optional(body, "user", str, "a string")
     stream = f.optional(body, "stream", bool, "true or false") or False
+    priority = (
+        0
+        if body.get("priority") is None
+        else f.integer("priority", body["priority"], -_INT64, _INT64)
+    )
     include_usage = f.stream_options(body.get("stream_options"))
     fields: dict[str, Any] = {}
     for name in _INTS:
@@ -225,6 +235,7 @@ def parse_shared_fields(
         prompt_logprobs=prompt_logprobs,
         echo=echo,
         kv_transfer_params=transfer,
+        priority=priority,
         ignored=ignored,
     )
 

@@ -8,8 +8,12 @@ budget and get KV slots like any other (the update takes rejected ones back), an
 consumed when scheduled. When the pool cannot
 hold a running request's next tokens, the last running request is preempted by
 recompute, repeatedly, until the allocation fits or the request itself was the last one.
-Then, only if nobody was preempted, waiting requests are admitted first come first
-served while the budget, ``max_num_seqs`` and the pool allow: local prefix-cache hit,
+Then, only if nobody was preempted, waiting requests are admitted in queue order
+(first come first served; under the priority policy by ``(priority, arrival_time)``,
+:mod:`stages.scheduler.priority`, which also preempts lower-priority running requests
+for a higher one before the running pass; with tenant fair share, the tenant with the
+fewest running requests first, :mod:`stages.scheduler.tenants`) while the budget,
+``max_num_seqs`` and the pool allow: local prefix-cache hit,
 the connector's external match, allocation, ``update_state_after_alloc``; one whose LoRA
 adapter would make the running requests' adapters more than ``max_loras`` is skipped
 (it keeps its place; others behind it may start), as in vLLM. A request the
@@ -38,7 +42,9 @@ from pipeline.grammar.compiler import timed_out
 from pipeline.logger import get_logger
 from pipeline.request import Request, RequestStatus
 from stages.scheduler.kv_manager import ComputedBlocks
+from stages.scheduler.priority import make_room
 from stages.scheduler.state import SchedulerState, make_output
+from stages.scheduler.tenants import FairOrder
 
 __all__ = ["SchedulingLimits", "ahead_done", "plan_step"]
 
@@ -55,12 +61,19 @@ class SchedulingLimits:
         max_len: Tokens a request may reach (``max_model_len``, at most the pool's
             capacity); a request is not scheduled ahead past it.
         max_loras: Most LoRA adapters among the running requests.
+        by_priority: The priority policy: a waiting request of a higher priority
+            preempts lower-priority running ones when it cannot start
+            (:func:`~stages.scheduler.priority.make_room`).
+        tenant_fair_share: Offer free slots in tenant fair-share order
+            (:class:`~stages.scheduler.tenants.FairOrder`).
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_len: int | None = None
     max_loras: int = 1
+    by_priority: bool = False
+    tenant_fair_share: bool = False
 
 
 class _RunningPass(NamedTuple):
@@ -92,9 +105,14 @@ def plan_step(
     """
     state.kv.start_step(step_id)
     scheduled: list[ScheduledRequest] = []
+    held_back: set[str] = set()
+    if limits.by_priority and state.waiting and state.running:
+        held_back = _make_room(state, limits)
     running = _schedule_running(state, limits, scheduled)
     if not running.preempted:
-        _schedule_waiting(state, limits, running.budget, running.ending, scheduled, ahead)
+        _schedule_waiting(
+            state, limits, running.budget, running.ending, scheduled, ahead, held_back
+        )
     finished = frozenset(state.finished_req_ids)
     state.finished_req_ids.clear()
     return SchedulerOutput(step_id=step_id, requests=tuple(scheduled), finished_req_ids=finished)
@@ -109,6 +127,23 @@ def ahead_done(request: Request, limits: SchedulingLimits) -> bool:
     if request.num_output_tokens + pending >= request.sampling_params.max_tokens:
         return True
     return limits.max_len is not None and request.num_tokens + pending >= limits.max_len
+
+
+def _make_room(state: SchedulerState, limits: SchedulingLimits) -> set[str]:
+    """Priority preemption before the running pass (:mod:`stages.scheduler.priority`);
+    the ids preempted. Both queues are in priority order, so the first waiting request
+    and the last running one tell at once whether anyone outranks anyone."""
+    if state.waiting[0].priority >= state.running[-1].priority:
+        return set()
+    victims = [r for r in state.running if not ahead_done(r, limits)]
+    ending = len(state.running) - len(victims)
+    return make_room(
+        state,
+        victims,
+        free_slots=limits.max_num_seqs - len(state.running) + ending,
+        max_loras=limits.max_loras,
+        max_num_batched_tokens=limits.max_num_batched_tokens,
+    )
 
 
 def _schedule_running(
@@ -154,36 +189,44 @@ def _schedule_waiting(
     ending: int,
     scheduled: list[ScheduledRequest],
     ahead: bool,
+    held_back: set[str],
 ) -> None:
-    """Admit waiting requests. ``ending`` running requests end with the step in flight
-    (async scheduling): their places count as free, as they are once it is applied."""
-    skipped: list[Request] = []
+    """Admit waiting requests, in queue order (FCFS or priority) or in tenant
+    fair-share order; one passed over keeps its place in the queue. ``ending`` running
+    requests end with the step in flight (async scheduling): their places count as free,
+    as they are once it is applied. ``held_back``: requests preempted for priority in
+    this step, which wait until the next."""
+    if not state.waiting or budget <= 0 or len(state.running) - ending >= limits.max_num_seqs:
+        return
+    fair = (
+        FairOrder(state.waiting, state.running, limits.by_priority, state.tenants)
+        if limits.tenant_fair_share
+        else None
+    )
     now: float | None = None
     adapters: set[str] | None = None  # of the running requests, once one needs them
-    while state.waiting and budget > 0 and len(state.running) - ending < limits.max_num_seqs:
-        request = state.waiting[0]
+    for request in list(state.waiting) if fair is None else fair:
+        if budget <= 0 or len(state.running) - ending >= limits.max_num_seqs:
+            break
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            skipped.append(state.waiting.popleft())
+            continue
+        if held_back and request.request_id in held_back:
             continue
         if request.lora is not None:
             if adapters is None:
                 adapters = {r.lora.content_id for r in state.running if r.lora is not None}
             if request.lora.content_id not in adapters and len(adapters) >= limits.max_loras:
-                skipped.append(state.waiting.popleft())  # as vLLM: one more adapter waits
-                continue
+                continue  # as vLLM: one more adapter waits
         if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not grammar_ready(
             state, request
         ):
-            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:  # not failed: later
-                skipped.append(state.waiting.popleft())
-            continue
+            continue  # still compiling (later), or failed (finished)
         try:
             admission = _admission(state, request)
         except Exception as exc:  # a failing connector lookup fails this request alone
             _fail(state, request, "get_num_new_matched_tokens", exc)
             continue
         if admission is None:  # the connector cannot tell yet: ask again next step
-            skipped.append(state.waiting.popleft())
             continue
         hit = admission.hit
         if request.num_cached_tokens < 0 and hit.num_computed_tokens:
@@ -202,7 +245,7 @@ def _schedule_waiting(
             admission.num_external,
             delay_cache_blocks=admission.load_async,
         )
-        if new_blocks is None:  # FCFS: nobody behind it may jump the queue
+        if new_blocks is None:  # in order: nobody behind it may jump the queue
             break
         if state.connector is not None:
             try:
@@ -212,12 +255,11 @@ def _schedule_waiting(
             except Exception as exc:
                 _fail(state, request, "update_state_after_alloc", exc)
                 continue
-        state.waiting.popleft()
-        if admission.load_async:
+        if admission.load_async:  # parked where it waits
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             state.async_loads[request.request_id] = num_computed
-            skipped.append(request)
             continue
+        state.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens < 0:
@@ -226,12 +268,13 @@ def _schedule_waiting(
             if now is None:  # one clock read per step, only when someone is admitted
                 now = time.monotonic()
             request.first_scheduled_time = now
-        state.running.append(request)
+        state.start_running(request)
+        if fair is not None:
+            fair.started(request)
         if adapters is not None and request.lora is not None:
             adapters.add(request.lora.content_id)
         scheduled.append(_schedule(state, request, num_new))
         budget -= num_new
-    state.waiting.extendleft(reversed(skipped))
 
 
 def _fail(state: SchedulerState, request: Request, call: str, exc: Exception) -> None:

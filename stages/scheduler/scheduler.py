@@ -67,6 +67,7 @@ class Scheduler:
             kv=KVCacheManager(num_blocks, block_size, settings.enable_prefix_caching),
             hasher=BlockHasher(block_size, settings.hash_seed),
             connector=connector,
+            by_priority=settings.scheduling_policy == "priority",
         )
         max_len = min(settings.max_model_len, num_blocks * block_size)
         self._limits = SchedulingLimits(
@@ -74,6 +75,8 @@ class Scheduler:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_len=max_len,
             max_loras=settings.max_loras,
+            by_priority=settings.scheduling_policy == "priority",
+            tenant_fair_share=settings.tenant_fair_share,
         )
         self._update_policy = UpdatePolicy(
             max_model_len=max_len,
@@ -127,7 +130,9 @@ class Scheduler:
         return self._state.connector
 
     def add_request(self, request: Request) -> None:
-        """Queue ``request`` (status ``WAITING``) behind the requests already waiting.
+        """Queue ``request`` (status ``WAITING``) behind the requests already waiting
+        (under the priority policy: behind those of a lower or equal
+        ``(priority, arrival_time)``).
 
         Hashes its full prompt blocks. The engine validates prompts and sampling
         parameters first; this only refuses what would break the scheduler.
@@ -161,7 +166,7 @@ class Scheduler:
         )
         state.hasher.update(request)
         state.requests[req_id] = request
-        state.waiting.append(request)
+        state.enqueue(request)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
         """Finish the given requests with ``"abort"`` and free their blocks now.

@@ -11,7 +11,12 @@ from __future__ import annotations
 import attrs
 
 from pipeline.checks import check_int
-from pipeline.config import LOAD_FAILURE_POLICIES, EngineConfig, config_values
+from pipeline.config import (
+    LOAD_FAILURE_POLICIES,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+    config_values,
+)
 from pipeline.errors import InvalidConfigError
 
 __all__ = ["SchedulerSettings"]
@@ -35,9 +40,14 @@ class SchedulerSettings:
             recompute) or ``"fail"`` (fail the request) for blocks that fail to load.
         max_loras: Most LoRA adapters among the running requests (a waiting request
             whose adapter would be one more is skipped until one leaves).
+        scheduling_policy: ``"fcfs"`` or ``"priority"`` (waiting requests by
+            ``(priority, arrival_time)``; lower-priority running requests are preempted
+            for a higher one that cannot start).
+        tenant_fair_share: A free slot goes to the tenant with the fewest running
+            requests (:mod:`stages.scheduler.tenants`).
 
     Raises:
-        InvalidConfigError: A size is not a positive integer, or the policy is unknown.
+        InvalidConfigError: A size is not a positive integer, or a policy is unknown.
     """
 
     block_size: int
@@ -48,6 +58,8 @@ class SchedulerSettings:
     hash_seed: int = 0
     load_failure_policy: str = "recompute"
     max_loras: int = 1
+    scheduling_policy: str = "fcfs"
+    tenant_fair_share: bool = False
 
     def __attrs_post_init__(self) -> None:
         for name in _POSITIVE:
@@ -57,6 +69,16 @@ class SchedulerSettings:
                 "load_failure_policy",
                 self.load_failure_policy,
                 f"must be one of {', '.join(LOAD_FAILURE_POLICIES)}",
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidConfigError(
+                "scheduling_policy",
+                self.scheduling_policy,
+                f"must be one of {', '.join(SCHEDULING_POLICIES)}",
+            )
+        if not isinstance(self.tenant_fair_share, bool):
+            raise InvalidConfigError(
+                "tenant_fair_share", self.tenant_fair_share, "must be true or false (a bool)"
             )
 
     @classmethod

@@ -10,6 +10,7 @@ blocks in exactly one place. Owned by one scheduler; not thread-safe, never bloc
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -25,8 +26,9 @@ from pipeline.logger import get_logger
 from pipeline.request import Request, RequestOutput, RequestStatus
 from pipeline.transfer_params import check_transfer_params
 from stages.scheduler.kv_manager import KVCacheManager
+from stages.scheduler.tenants import TenantLedger
 
-__all__ = ["SchedulerState", "make_output"]
+__all__ = ["SchedulerState", "make_output", "priority_key"]
 
 log = get_logger()
 
@@ -50,6 +52,12 @@ def make_output(request: Request, new_token_ids: tuple[int, ...]) -> RequestOutp
         ),
         kv_transfer_params=request.kv_transfer_params if request.is_finished else None,
     )
+
+
+def priority_key(request: Request) -> tuple[int, float]:
+    """Where ``request`` stands under the priority policy: lower first, ties by arrival
+    (vLLM's ``(priority, arrival_time)``)."""
+    return request.priority, request.arrival_time
 
 
 def _stop_reason(request: Request) -> int | None:
@@ -86,7 +94,12 @@ class SchedulerState:
         requests: Every unfinished request by id (waiting, parked or running).
         waiting: Requests to admit, FCFS; preempted ones go back to the front. Also
             holds requests parked in ``WAITING_FOR_REMOTE_KVS``, skipped until loaded.
-        running: Admitted requests, in admission order (the last is preempted first).
+            With ``by_priority``, kept in :func:`priority_key` order instead (preempted
+            ones go back to their place in it).
+        running: Admitted requests, in admission order (the last is preempted first);
+            with ``by_priority``, in :func:`priority_key` order (the worst last).
+        by_priority: The priority policy orders both queues (:meth:`enqueue`,
+            :meth:`start_running`); decided at construction.
         finished_req_ids: Ids that ended since the previous step (finished, aborted,
             failed, preempted); the next ``SchedulerOutput`` carries them.
         sent_blocks: How many entries of each request's block table the workers have;
@@ -112,11 +125,13 @@ class SchedulerState:
             kept (equal to the token sampled at their position).
         step_draft_outcomes: Of the step applied last, each drafted request's drafts
             verified and kept.
+        tenants: When each tenant was last served (tenant fair share; bounded).
     """
 
     kv: KVCacheManager
     hasher: BlockHasher
     connector: KVConnectorScheduler | None = None
+    by_priority: bool = False
     requests: dict[str, Request] = attrs.field(factory=dict)
     waiting: deque[Request] = attrs.field(factory=deque)
     running: list[Request] = attrs.field(factory=list)
@@ -132,6 +147,23 @@ class SchedulerState:
     num_preemptions: int = 0
     spec_decode: SpecDecodeStats = attrs.field(factory=SpecDecodeStats)
     step_draft_outcomes: dict[str, tuple[int, int]] = attrs.field(factory=dict)
+    tenants: TenantLedger = attrs.field(factory=TenantLedger)
+
+    def enqueue(self, request: Request) -> None:
+        """Put ``request`` in :attr:`waiting`: last (FCFS), or after every request of a
+        lower or equal :func:`priority_key` (priority)."""
+        if self.by_priority:
+            bisect.insort_right(self.waiting, request, key=priority_key)
+        else:
+            self.waiting.append(request)
+
+    def start_running(self, request: Request) -> None:
+        """Put an admitted ``request`` in :attr:`running`: last (FCFS), or in
+        :func:`priority_key` order (priority: the worst is last, preempted first)."""
+        if self.by_priority:
+            bisect.insort_right(self.running, request, key=priority_key)
+        else:
+            self.running.append(request)
 
     def finish_all(
         self, req_ids: Iterable[str], status: RequestStatus, error: str | None
@@ -194,8 +226,9 @@ class SchedulerState:
 
     def preempt(self, request: Request) -> None:
         """Preempt a running ``request`` by recompute: free its blocks, reset its
-        progress, and put it at the front of :attr:`waiting`. Workers drop its state
-        (its id goes to :attr:`finished_req_ids`); it resumes with ``new=True``."""
+        progress, and put it at the front of :attr:`waiting` (with ``by_priority``: at
+        its place by :func:`priority_key`). Workers drop its state (its id goes to
+        :attr:`finished_req_ids`); it resumes with ``new=True``."""
         if self.running and self.running[-1] is request:
             self.running.pop()
         else:
@@ -209,7 +242,10 @@ class SchedulerState:
         self.num_preemptions += 1
         self.sent_blocks.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
-        self.waiting.appendleft(request)
+        if self.by_priority:
+            bisect.insort_left(self.waiting, request, key=priority_key)
+        else:
+            self.waiting.appendleft(request)
         log.debug(
             "request preempted",
             req_id=request.request_id,
