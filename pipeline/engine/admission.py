@@ -84,12 +84,15 @@ def new_request(
     arrival_time: float | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
     lora: LoRAAdapter | None = None,
+    kv_variant: str | None = None,
 ) -> Request:
     """The :class:`Request` of a validated prompt and ``params``.
 
     ``eos_token_id`` is the model's (its first when it lists several); ``arrival_time``
     (``time.monotonic()``, default now) must be a finite time in the past;
-    ``kv_transfer_params`` is checked and copied (:mod:`pipeline.transfer_params`).
+    ``kv_transfer_params`` is checked and copied (:mod:`pipeline.transfer_params`);
+    ``kv_variant`` is what the model makes the request's KV depend on beyond its tokens
+    (its block hashes cover it: ``ModelConfig.prefix_cache_key``).
 
     Raises:
         InvalidRequestError: A bad ``arrival_time`` or ``kv_transfer_params``.
@@ -110,6 +113,7 @@ def new_request(
         eos_token_id=eos,
         arrival_time=now if arrival_time is None else arrival_time,
         lora=lora,
+        kv_variant=kv_variant,
     )
     request.kv_transfer_params = transfer
     return request

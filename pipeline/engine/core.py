@@ -229,6 +229,7 @@ class EngineCore:
             arrival_time=arrival_time,
             kv_transfer_params=kv_transfer_params,
             lora=self._known_lora(lora),
+            kv_variant=self.model_config.prefix_cache_key(len(prompt)),
         )
         if self.connector is not None:
             self.connector.check_request(request)
