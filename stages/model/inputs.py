@@ -262,7 +262,9 @@ class RequestStates:
             rope_rows=None if self.long_rope is None else self._rope_rows(requests, device),
         )
 
-    def _rope_rows(self, requests: Sequence[ScheduledRequest], device: torch.device) -> torch.Tensor:
+    def _rope_rows(
+        self, requests: Sequence[ScheduledRequest], device: torch.device
+    ) -> torch.Tensor:
         """The rotary-table rows of a mixed step's tokens (:class:`LongRope`)."""
         assert self.long_rope is not None
         threshold, offset = self.long_rope

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import msgspec
@@ -87,8 +87,8 @@ class TestModelConfig:
 class TestLongRopeConfig:
     """``longrope`` (Phi-3's ``su``) settings, read as transformers reads them."""
 
-    SHORT = [1.0, 1.5, 1.25, 1.0]  # head_dim 8 in _llama_dict: four frequencies
-    LONG = [2.0, 3.0, 4.0, 5.0]
+    SHORT: ClassVar[list[float]] = [1.0, 1.5, 1.25, 1.0]  # head_dim 8: four frequencies
+    LONG: ClassVar[list[float]] = [2.0, 3.0, 4.0, 5.0]
 
     def _phi3(self, rope: dict[str, object], **extra: object) -> ModelConfig:
         return ModelConfig.from_hf_dict(
@@ -121,7 +121,8 @@ class TestLongRopeConfig:
     def test_llama_yarn_stays_yarn(self) -> None:
         """Only Phi-3 reads ``yarn`` as longrope; others' threshold comes from the rope
         settings when the top level has none."""
-        yarn = ModelConfig.from_hf_dict(_llama_dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+        yarn_rope = {"rope_type": "yarn", "factor": 2.0}
+        yarn = ModelConfig.from_hf_dict(_llama_dict(rope_scaling=yarn_rope))
         assert yarn.rope.rope_type == "yarn" and yarn.rope.longrope_threshold is None
         llama = ModelConfig.from_hf_dict(_llama_dict(rope_parameters={
             "rope_type": "longrope", "short_factor": self.SHORT, "long_factor": self.LONG,

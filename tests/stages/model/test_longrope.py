@@ -1,7 +1,9 @@
-"""Phi-3's ``longrope`` against transformers' ``generate``: the long or short factors
+"""Phi-3's ``longrope`` against transformers call by call: the long or short factors
 chosen per request and token (a prompt longer than ``original_max_position_embeddings``
-= 32 long in every token, a shorter one from position 32 on), whatever the chunking
-and batching."""
+= 32 long in every token, a shorter one from position 32 on, its cached keys kept),
+whatever the chunking and batching. (``Phi3ForCausalLM.generate`` differs at one point:
+when a short sequence reaches position 32 it drops its cache and recomputes it with the
+long factors; kvstep keeps the cache, as every other model's ``generate`` does.)"""
 
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ HFGet = Callable[[str], tuple[Any, Path]]
 
 
 def _generate(hf_model: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the logits of each, as ``generate`` computes them: one forward
-    call over the prompt, then one per token against the cache."""
+    """Greedy tokens and the logits of each, one forward call over the prompt, then one
+    per token against the cache (``generate``'s calls, without Phi-3's cache reset)."""
     out = hf_model(torch.tensor([prompt]), use_cache=True)
     rows, tokens = [out.logits[0, -1]], []
     for _ in range(steps - 1):
@@ -61,7 +63,7 @@ def _check(
         assert driver.outputs(req_id) == tokens, req_id
 
 
-class TestLongRopeMatchesGenerate:
+class TestLongRopeMatchesTransformers:
     @pytest.mark.parametrize("chunk", [128, 16, 5])
     def test_short_and_long_prompts_in_one_batch(
         self, hf_checkpoint: HFGet, step_driver: Any, chunk: int
