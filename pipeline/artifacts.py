@@ -149,6 +149,10 @@ class ScheduledRequest:
             KV is never cached. Empty without speculative decoding.
         lora: The LoRA adapter the request runs with (always sent, as ``sampling``),
             or ``None`` for the base model.
+        num_prompt_tokens: The length of the request's prompt (always sent; outputs
+            recomputed after a preemption do not count). A ``longrope`` model rotates
+            by it (:class:`~stages.model.rope.LongRope`); 0 when unknown, which
+            rotates by position alone.
     """
 
     req_id: str
@@ -163,6 +167,7 @@ class ScheduledRequest:
     prompt_logprob_targets: tuple[int, ...] = ()
     draft_token_ids: tuple[int, ...] = ()
     lora: LoRAAdapter | None = None
+    num_prompt_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:

@@ -74,6 +74,7 @@ class Request:
         "first_token_time",
         "grammar_wait",
         "kv_transfer_params",
+        "kv_variant",
         "last_token_time",
         "logprobs",
         "lora",
@@ -102,6 +103,7 @@ class Request:
         lora: LoRAAdapter | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        kv_variant: str | None = None,
     ) -> None:
         self.request_id = request_id
         # Under the priority policy, lower runs first (ties by arrival); never changed.
@@ -111,6 +113,10 @@ class Request:
         # The adapter the request runs with (``None``: the base model); every block
         # hash of the request covers it. Set before the first hash, never changed.
         self.lora = lora
+        # What else the model makes the request's KV depend on, beyond its tokens (a
+        # longrope model's long prompts: ModelConfig.prefix_cache_key), or None; every
+        # block hash covers it too. Set before the first hash, never changed.
+        self.kv_variant = kv_variant
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -159,10 +165,13 @@ class Request:
         return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
-    def hash_extra_keys(self) -> tuple[str, str] | None:
-        """What each block hash of the request also covers: its adapter, or nothing."""
-        lora = self.lora
-        return None if lora is None else lora.extra_keys()
+    def hash_extra_keys(self) -> tuple[str, ...] | None:
+        """What each block hash of the request also covers: its adapter and its KV
+        variant, or nothing."""
+        lora, variant = self.lora, self.kv_variant
+        if variant is None:
+            return None if lora is None else lora.extra_keys()
+        return (variant,) if lora is None else (*lora.extra_keys(), variant)
 
     @property
     def num_tokens(self) -> int:

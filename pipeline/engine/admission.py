@@ -131,13 +131,16 @@ def new_request(
     lora: LoRAAdapter | None = None,
     priority: int = 0,
     tenant: str | None = None,
+    kv_variant: str | None = None,
 ) -> Request:
     """The :class:`Request` of a validated prompt and ``params`` (and a checked
     ``priority`` and ``tenant``, :func:`check_priority`, :func:`check_tenant`).
 
     ``eos_token_id`` is the model's (its first when it lists several); ``arrival_time``
     (``time.monotonic()``, default now) must be a finite time in the past;
-    ``kv_transfer_params`` is checked and copied (:mod:`pipeline.transfer_params`).
+    ``kv_transfer_params`` is checked and copied (:mod:`pipeline.transfer_params`);
+    ``kv_variant`` is what the model makes the request's KV depend on beyond its tokens
+    (its block hashes cover it: ``ModelConfig.prefix_cache_key``).
 
     Raises:
         InvalidRequestError: A bad ``arrival_time`` or ``kv_transfer_params``.
@@ -160,6 +163,7 @@ def new_request(
         lora=lora,
         priority=priority,
         tenant=tenant,
+        kv_variant=kv_variant,
     )
     request.kv_transfer_params = transfer
     return request

@@ -251,6 +251,7 @@ class EngineCore:
             lora=self._known_lora(lora),
             priority=priority,
             tenant=tenant,
+            kv_variant=self.model_config.prefix_cache_key(len(prompt)),
         )
         if self.connector is not None:
             self.connector.check_request(request)

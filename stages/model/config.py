@@ -4,7 +4,9 @@ Supported architectures are the Llama family: ``LlamaForCausalLM``,
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` (Qwen2's layout
 without q/k/v biases, with each query and key head RMS-normed before the rotary
 embedding) and ``Phi3ForCausalLM`` (Llama's layers, with q/k/v and gate/up stored as one
-matrix each, split when loaded: :mod:`~stages.model.checkpoint`), and
+matrix each, split when loaded: :mod:`~stages.model.checkpoint`; its ``longrope`` scaling,
+also spelled ``su`` or — Phi-3's alias — ``yarn``, as transformers' ``Phi3Config`` reads
+it), and
 ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` (a top-k routed mixture of SwiGLU
 experts in place of the MLP, in every layer or in those Qwen3-MoE's
 ``decoder_sparse_step``/``mlp_only_layers`` say: :mod:`~stages.model.moe`), and Gemma 3's
@@ -48,7 +50,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM",
 )
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """Gemma 3's ``layer_types``: a layer attends to its whole context, or to its window."""
 GEMMA3_ROPE_TYPES = ("default", "linear")
@@ -81,6 +83,21 @@ class RopeConfig:
             if key == name:
                 return default if value is None else value
         return default
+
+    @property
+    def longrope_threshold(self) -> int | None:
+        """``original_max_position_embeddings`` of a ``longrope`` rope, else ``None``.
+
+        transformers picks longrope's frequencies per forward call: the long factors
+        when the call's ``max(position_ids) + 1`` exceeds this, else the short ones
+        (``generate``: the prefill by the prompt's length, each decode step by its
+        position). kvstep decides per request and token the same way: position ``p``
+        of a request with a prompt of ``n`` tokens rotates with the long factors when
+        ``max(n, p + 1) > threshold`` (:class:`~stages.model.rope.LongRope`).
+        """
+        if self.rope_type != "longrope":
+            return None
+        return int(self.get("original_max_position_embeddings"))
 
 
 @attrs.frozen(kw_only=True)
@@ -188,6 +205,16 @@ class ModelConfig:
         kinds = "".join("S" if kind == "sliding_attention" else "F" for kind in self.layer_types)
         return f"{kinds}:{self.sliding_window}"
 
+    def prefix_cache_key(self, num_prompt_tokens: int) -> str | None:
+        """What the block hashes of a request with ``num_prompt_tokens`` must also cover:
+        ``"longrope:long"`` when a ``longrope`` model rotates its whole prompt with the
+        long factors (its KV then differs from a short prompt's at the same positions,
+        so the two never share cached blocks), else ``None``."""
+        threshold = self.rope.longrope_threshold
+        if threshold is not None and num_prompt_tokens > threshold:
+            return "longrope:long"
+        return None
+
     @property
     def expert_intermediate_size(self) -> int:
         """Each expert's intermediate width."""
@@ -276,7 +303,12 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
         )
-        fields.update(_gemma3(data, path) if gemma3 else {"rope": _parse_rope(data, path)})
+        if gemma3:
+            fields.update(_gemma3(data, path))
+        else:
+            fields["rope"] = rope = _parse_rope(data, path)
+            if rope.rope_type == "longrope":
+                _check_longrope(rope, int(head_dim), path)
         return cls(**fields, **_experts(arch, data, path))
 
 
@@ -409,19 +441,38 @@ def _parse_rope(data: dict[str, Any], path: object) -> RopeConfig:
 
 def _rope_config(rope: dict[str, Any], data: dict[str, Any], path: object) -> RopeConfig:
     """The :class:`RopeConfig` of one rope settings object (``rope_theta`` falls back to
-    the config's, then 10000)."""
+    the config's, then 10000).
+
+    ``longrope`` (``su`` is its old name; Phi-3's ``yarn`` means it too, as
+    ``Phi3Config`` maps it) takes ``original_max_position_embeddings`` from the config's
+    top level when given there (transformers' ``standardize_rope_params`` prefers it; a
+    Phi-3 config defaults it to 4096, as ``Phi3Config`` does), else from the rope
+    settings, else ``max_position_embeddings``.
+    """
     partial = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ModelLoadError(
             path, f"partial_rotary_factor={partial!r} is unsupported (rotary on whole heads only)"
         )
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    phi3 = "Phi3ForCausalLM" in (data.get("architectures") or ())
+    if rope_type == "su" or (phi3 and rope_type == "yarn"):
+        rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(
             path, f"unsupported rope_type={rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
         )
     theta = rope.get("rope_theta") or data.get("rope_theta") or 10000.0
-    params = tuple(sorted((k, v) for k, v in rope.items() if k not in _ROPE_META_KEYS))
+    params = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                          for k, v in rope.items() if k not in _ROPE_META_KEYS))  # fmt: skip
+    if rope_type == "longrope":
+        original = data.get("original_max_position_embeddings") or (
+            4096 if phi3 else rope.get("original_max_position_embeddings")
+        ) or data.get("max_position_embeddings", 4096)  # fmt: skip
+        params = tuple(sorted((*((k, v) for k, v in params
+                                  if k != "original_max_position_embeddings"),
+                               ("original_max_position_embeddings", int(original)))))  # fmt: skip
+        return RopeConfig(rope_type=rope_type, theta=float(theta), params=params)
     if rope_type != "default" and not any(k == "factor" for k, _ in params):
         raise ModelLoadError(path, f"rope_type={rope_type!r} needs a 'factor'")
     if rope_type in ("llama3", "yarn") and not any(
@@ -432,6 +483,22 @@ def _rope_config(rope: dict[str, Any], data: dict[str, Any], path: object) -> Ro
         )
         params = tuple(sorted((*params, ("original_max_position_embeddings", original))))
     return RopeConfig(rope_type=rope_type, theta=float(theta), params=params)
+
+
+def _check_longrope(rope: RopeConfig, head_dim: int, path: object) -> None:
+    """Refuse ``longrope`` settings without ``short_factor`` and ``long_factor`` lists of
+    ``head_dim // 2`` numbers each (one per rotated frequency)."""
+    for name in ("short_factor", "long_factor"):
+        value = rope.get(name)
+        if not (
+            isinstance(value, tuple)
+            and len(value) == head_dim // 2
+            and all(isinstance(x, int | float) and not isinstance(x, bool) for x in value)
+        ):
+            raise ModelLoadError(
+                path, f"rope_type='longrope' needs {name} as a list of head_dim // 2 = "
+                f"{head_dim // 2} numbers; got {value!r}",
+            )  # fmt: skip
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

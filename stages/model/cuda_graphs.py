@@ -13,7 +13,8 @@ so a server sees a few dozen shapes at most; each is captured the first time a s
 needs it. A step of more requests than the largest size runs eagerly.
 
 Inside the graph every input is a fixed tensor: the step's token ids, positions,
-context lengths, slots and block tables are written into one pinned host buffer and
+context lengths, slots, block tables (and a ``longrope`` model's rotary-table rows,
+:class:`~stages.model.rope.LongRope`) are written into one pinned host buffer and
 copied to the graph's device buffer in one transfer
 (:class:`~stages.model.decode_inputs.DecodeBuffers`, as the eager decode steps do).
 Decode attention takes the padded, masked path of
@@ -184,12 +185,14 @@ class DecodeGraphs:
         blocks = max(r.num_computed_tokens for r in requests) // self.block_size + 1
         key = (batch, padded_width(blocks, self.max_blocks))
         shape = self._shapes.get(key)
-        buf = DecodeBuffers(*key, self.block_size, self.device) if shape is None else shape[0]
+        buf = (DecodeBuffers(*key, self.block_size, self.device, self.model.rotary.long_rope)
+               if shape is None else shape[0])  # fmt: skip
         buf.fill(requests, tables)  # before a capture too: its warm-up computes this step
         if shape is None:
 
             def forward() -> torch.Tensor:  # tensor ops on fixed tensors only
-                return self.model(buf.ids, buf.pos, buf.metadata(None), self.kv_caches, None)
+                rows = buf.rope_rows  # the positions, or longrope's table rows
+                return self.model(buf.ids, rows, buf.metadata(None), self.kv_caches, None)
 
             shape = self._shapes[key] = (buf, self._capture.capture(forward))
             self.captures += 1

@@ -24,6 +24,7 @@ import torch
 
 from pipeline.artifacts import ScheduledRequest
 from stages.model.attention import AttentionMetadata, DecodeBatch
+from stages.model.rope import LongRope
 
 __all__ = ["MAX_SHAPES", "DecodeBuffers", "DecodeInputs"]
 
@@ -35,33 +36,48 @@ context sizes keep changing must not keep one per shape it ever saw."""
 class DecodeBuffers:
     """The inputs of one batch shape in one int64 buffer.
 
-    Token ids, positions, context lengths + 1 and slots (``batch`` each), then the
-    block table (``batch x width``), written in place by :meth:`fill`. On CUDA they are
-    written into a pinned host buffer and reach the device in one copy; on CPU the
-    tensors view the buffer itself. The tensor attributes view the device's buffer;
-    ``span`` is ``[0, width * block_size)``, the key positions of a row; ``rows`` and
-    ``starts`` are ``[0, batch)`` and ``[0, batch]``.
+    Token ids, positions, context lengths + 1 and slots (``batch`` each), with
+    ``long_rope`` the rotary-table rows (``batch``), then the block table (``batch x
+    width``), written in place by :meth:`fill`. On CUDA they are written into a pinned
+    host buffer and reach the device in one copy; on CPU the tensors view the buffer
+    itself. The tensor attributes view the device's buffer; ``rope_rows`` is ``pos``
+    without ``long_rope``; ``span`` is ``[0, width * block_size)``, the key positions of
+    a row; ``rows`` and ``starts`` are ``[0, batch)`` and ``[0, batch]``.
 
     Args:
         batch: Rows (requests; padding rows included).
         width: Blocks per block-table row.
         block_size: Tokens per KV block.
         device: Where the model runs.
+        long_rope: The model's longrope rule (:class:`~stages.model.rope.LongRope`),
+            or ``None``.
     """
 
-    __slots__ = ("_copied", "_fields", "_pinned", "batch", "block_size", "host", "ids",
-                 "inputs", "pos", "rows", "seq", "slots", "span", "starts", "table",
-                 "width")  # fmt: skip
+    __slots__ = ("_copied", "_fields", "_long_rope", "_pinned", "_rope_field", "batch",
+                 "block_size", "host", "ids", "inputs", "pos", "rope_rows", "rows", "seq",
+                 "slots", "span", "starts", "table", "width")  # fmt: skip
 
-    def __init__(self, batch: int, width: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        batch: int,
+        width: int,
+        block_size: int,
+        device: torch.device,
+        long_rope: LongRope | None = None,
+    ) -> None:
         self.batch, self.width, self.block_size = batch, width, block_size
         self._pinned = device.type == "cuda"
-        self.host = torch.zeros(batch * (4 + width), dtype=torch.int64, pin_memory=self._pinned)
+        self._long_rope = long_rope
+        n = 4 if long_rope is None else 5  # rows of per-request numbers
+        self.host = torch.zeros(batch * (n + width), dtype=torch.int64, pin_memory=self._pinned)
         values = self.host.numpy()
-        self._fields = (*values[: 4 * batch].reshape(4, batch), values[4 * batch :])
+        fields = values[: n * batch].reshape(n, batch)
+        self._fields = (*fields[:4], values[n * batch :])
+        self._rope_field = fields[4] if long_rope is not None else None
         self.inputs = self.host.to(device) if device.type != "cpu" else self.host
         self.ids, self.pos, self.seq, self.slots = self.inputs[: 4 * batch].view(4, batch)
-        self.table = self.inputs[4 * batch :].view(batch, width)
+        self.rope_rows = self.pos if long_rope is None else self.inputs[4 * batch : 5 * batch]
+        self.table = self.inputs[n * batch :].view(batch, width)
         self.span = torch.arange(width * block_size, device=device)
         self.rows = torch.arange(batch, device=device)  # every row is sampled
         self.starts = torch.arange(batch + 1, device=device)  # one query token a row
@@ -95,6 +111,10 @@ class DecodeBuffers:
         v_pos[:] = rows_ctx
         v_seq[:] = [c + 1 for c in rows_ctx]
         v_slots[:] = [t[c // bs] * bs + c % bs for t, c in zip(req_tables, rows_ctx, strict=True)]
+        if self._rope_field is not None:
+            assert self._long_rope is not None
+            lens = [r.num_prompt_tokens for r in requests]
+            self._rope_field[:] = self._long_rope.rows(rows_ctx, lens + lens[:1] * pad)
         table = v_table.reshape(self.batch, width)
         for i, (t, c) in enumerate(zip(req_tables, rows_ctx, strict=True)):
             n = c // bs + 1  # blocks that hold context + the new token
@@ -140,17 +160,27 @@ class DecodeInputs:
     Args:
         block_size: Tokens per KV block.
         device: Where the model runs; on CPU the tensors share the buffers' memory.
+        long_rope: The model's longrope rule, or ``None``.
+
+    Attributes:
+        rope_rows: With ``long_rope``, the rotary-table rows of the last :meth:`build`
+            (valid as its other tensors are); ``None`` without.
     """
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, block_size: int, device: torch.device, long_rope: LongRope | None = None
+    ) -> None:
         self.block_size = block_size
         self.device = device
+        self.long_rope = long_rope
+        self.rope_rows: torch.Tensor | None = None
         self._buffers: dict[tuple[int, int], DecodeBuffers] = {}
 
     def build(
         self, requests: Sequence[ScheduledRequest], tables: Mapping[str, Sequence[int]]
     ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """``(input_ids, metadata, sample_rows)`` of a batch of one-token requests.
+        """``(input_ids, metadata, sample_rows)`` of a batch of one-token requests (and,
+        with ``long_rope``, :attr:`rope_rows`).
 
         Every request must have one new token and a block table that covers it (as
         :meth:`RequestStates.update` checked); every row is a sampled row. Not
@@ -163,8 +193,10 @@ class DecodeInputs:
         if buf is None:
             if len(self._buffers) >= MAX_SHAPES:
                 del self._buffers[next(iter(self._buffers))]  # the least recently used
-            buf = DecodeBuffers(*key, bs, self.device)
+            buf = DecodeBuffers(*key, bs, self.device, self.long_rope)
         self._buffers[key] = buf  # most recently used last
         ctx = buf.fill(requests, tables)
+        if self.long_rope is not None:
+            self.rope_rows = buf.rope_rows
         same = min(ctx) == max(ctx)
         return buf.ids, buf.metadata(ctx[0] + 1 if same else None), buf.rows

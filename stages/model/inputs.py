@@ -19,6 +19,7 @@ from pipeline.artifacts import ScheduledRequest, SchedulerOutput
 from pipeline.errors import InvalidRequestError
 from stages.model.attention import AttentionMetadata, build_attention_metadata
 from stages.model.decode_inputs import DecodeInputs
+from stages.model.rope import LongRope
 
 __all__ = ["BatchInputs", "RequestStates"]
 
@@ -43,6 +44,9 @@ class BatchInputs:
             of them); ``None`` when no request has drafts. A request's sampled row is
             that of its last known token, before its drafts.
         draft_req_ids: The requests with drafts, in order.
+        rope_rows: ``[T]`` each token's row of the rotary table, for a ``longrope``
+            model (:class:`~stages.model.rope.LongRope`); ``None``: its position
+            (``attn_meta.positions``).
     """
 
     input_ids: torch.Tensor
@@ -53,21 +57,32 @@ class BatchInputs:
     prompt_req_ids: tuple[str, ...] = ()
     draft_rows: torch.Tensor | None = None
     draft_req_ids: tuple[str, ...] = ()
+    rope_rows: torch.Tensor | None = None
 
 
 class RequestStates:
     """Block tables of the requests this worker knows, keyed by request id.
 
+    ``long_rope``: a ``longrope`` model's rule; each step's inputs then carry the
+    tokens' rotary-table rows (``BatchInputs.rope_rows``). ``None``: nothing is added.
+
     Not thread-safe: owned by one :class:`~stages.model.runner.ModelRunner`.
     """
 
     def __init__(
-        self, *, block_size: int, num_blocks: int, max_model_len: int, vocab_size: int
+        self,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        vocab_size: int,
+        long_rope: LongRope | None = None,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.long_rope = long_rope
         self._tables: dict[str, list[int]] = {}
         self._decode: DecodeInputs | None = None  # buffers of decode-only steps
 
@@ -117,6 +132,10 @@ class RequestStates:
     def _checked_table(self, r: ScheduledRequest, base: list[int]) -> list[int]:
         if not r.token_ids:
             raise InvalidRequestError("token_ids", r.token_ids, f"{r.req_id}: need >= 1 token")
+        if r.num_prompt_tokens < 0:
+            raise InvalidRequestError(
+                "num_prompt_tokens", r.num_prompt_tokens, f"{r.req_id}: must be >= 0"
+            )
         for name, ids in (("token_id", r.token_ids), ("draft_token_id", r.draft_token_ids)):
             if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
                 bad = next(t for t in ids if not 0 <= t < self.vocab_size)
@@ -183,7 +202,7 @@ class RequestStates:
         requests = scheduler_output.requests
         if self.decode_only(scheduler_output):
             if self._decode is None or self._decode.device != device:
-                self._decode = DecodeInputs(self.block_size, device)
+                self._decode = DecodeInputs(self.block_size, device, self.long_rope)
             input_ids, decode_meta, decode_rows = self._decode.build(requests, self._tables)
             return BatchInputs(
                 input_ids=input_ids,
@@ -192,6 +211,7 @@ class RequestStates:
                 sample_req_ids=tuple(r.req_id for r in requests),
                 prompt_rows=None,
                 prompt_req_ids=(),
+                rope_rows=self._decode.rope_rows,
             )
         ids = np.fromiter(
             (t for r in requests for t in (*r.token_ids, *r.draft_token_ids)),
@@ -239,4 +259,20 @@ class RequestStates:
             prompt_req_ids=tuple(requests[i].req_id for i in prompt),
             draft_rows=draft_rows,
             draft_req_ids=tuple(requests[i].req_id for i in drafted),
+            rope_rows=None if self.long_rope is None else self._rope_rows(requests, device),
         )
+
+    def _rope_rows(
+        self, requests: Sequence[ScheduledRequest], device: torch.device
+    ) -> torch.Tensor:
+        """The rotary-table rows of a mixed step's tokens (:class:`LongRope`)."""
+        assert self.long_rope is not None
+        threshold, offset = self.long_rope
+        n = len(requests)
+        lens = np.fromiter((r.num_scheduled_tokens for r in requests), np.int64, n)
+        ctx = np.fromiter((r.num_computed_tokens for r in requests), np.int64, n)
+        prompt = np.fromiter((r.num_prompt_tokens for r in requests), np.int64, n)
+        first_row = np.cumsum(lens) - lens
+        positions = np.arange(int(lens.sum())) + np.repeat(ctx - first_row, lens)
+        long = np.repeat(prompt > threshold, lens) | (positions >= threshold)
+        return torch.from_numpy(positions + offset * long).to(device)

@@ -140,7 +140,9 @@ class CausalLM(nn.Module):
 
         Args:
             input_ids: ``[T]`` token ids.
-            positions: ``[T]`` positions (each below the rotary table's length).
+            positions: ``[T]`` rows of the rotary table: each token's position, plus
+                ``rotary.long_rope.offset`` for a token that a ``longrope`` model rotates
+                with its long factors (:class:`~stages.model.rope.LongRope`).
             attn_meta: The step's attention metadata.
             kv_caches: One cache tensor per layer; the new K/V are written into them.
             hooks: Per-layer callbacks (connector waits and saves), or ``None``.

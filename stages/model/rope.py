@@ -7,6 +7,18 @@ the length of the *current* forward call, which a paged KV cache cannot follow (
 keys are already rotated). kvstep uses the unscaled frequencies when ``max_model_len``
 fits in ``max_position_embeddings`` (identical to transformers there) and otherwise one
 fixed base computed for ``max_model_len``, as vLLM does.
+
+``longrope`` (Phi-3's ``su``) has two sets of frequencies, the base ones divided by
+``short_factor`` or by ``long_factor``, and scales cos/sin by ``attention_factor``
+(default ``sqrt(1 + log(factor) / log(original_max_position_embeddings))`` with
+``factor = max_position_embeddings / original_max_position_embeddings`` unless given),
+as transformers' ``_compute_longrope_parameters``. transformers picks a set per forward
+call (long when ``max(position_ids) + 1 > original_max_position_embeddings``); a paged
+engine picks per request and token (:class:`LongRope`), which gives the same rotation
+for every token that ``generate`` computes. The table then holds both sets, the long
+one after the short one (:attr:`RotaryEmbedding.long_rope`), and a token's row is its
+position plus the offset when it rotates long; other rope types have one set, and a
+token's row is its position.
 """
 
 from __future__ import annotations
@@ -19,7 +31,14 @@ from torch import nn
 
 from stages.model.config import ModelConfig, RopeConfig
 
-__all__ = ["CosSin", "RopeFrequencies", "RotaryEmbedding", "apply_rotary", "compute_inv_freq"]
+__all__ = [
+    "CosSin",
+    "LongRope",
+    "RopeFrequencies",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "compute_inv_freq",
+]
 
 
 class CosSin(NamedTuple):
@@ -27,6 +46,29 @@ class CosSin(NamedTuple):
 
     cos: torch.Tensor
     sin: torch.Tensor
+
+
+class LongRope(NamedTuple):
+    """Where a ``longrope`` table's long rows are and when a token uses them.
+
+    Position ``p`` of a request whose prompt has ``n`` tokens rotates with the long
+    factors, at table row ``p + offset``, when ``max(n, p + 1) > threshold``: a long
+    prompt is long in every token (transformers' one prefill call sees its whole
+    length), a short one from the first position past ``threshold`` on (each decode
+    step of ``generate`` sees ``p + 1``), and its earlier keys keep their short rotation
+    in the cache, as in transformers' cache. The rule is the request's, never the
+    batch's or the chunk's, so chunked prefill, batching and recomputation after a
+    preemption rotate every token as ``generate`` alone would.
+    """
+
+    threshold: int
+    offset: int
+
+    def rows(self, positions: list[int], prompt_lens: list[int]) -> list[int]:
+        """The table rows of tokens at ``positions`` of requests with ``prompt_lens``."""
+        threshold, offset = self.threshold, self.offset
+        return [p + offset if n > threshold or p >= threshold else p
+                for p, n in zip(positions, prompt_lens, strict=True)]  # fmt: skip
 
 
 class RopeFrequencies(NamedTuple):
@@ -46,9 +88,12 @@ def compute_inv_freq(
     max_model_len: int,
     device: torch.device | None = None,
     rope: RopeConfig | None = None,
+    *,
+    long: bool = False,
 ) -> RopeFrequencies:
     """The inverse frequencies and attention scaling of ``rope`` (default:
-    ``config.rope``; Gemma 3's sliding layers pass ``config.sliding_rope``).
+    ``config.rope``; Gemma 3's sliding layers pass ``config.sliding_rope``); for
+    ``longrope``, those of the long factors when ``long``, else of the short ones.
 
     Pure function; safe to call from any thread.
     """
@@ -57,6 +102,8 @@ def compute_inv_freq(
     base = rope.theta
     if rope.rope_type == "default":
         return RopeFrequencies(_base_inv_freq(base, dim, device), 1.0)
+    if rope.rope_type == "longrope":
+        return _longrope(rope, config, base=base, dim=dim, long=long, device=device)
     factor = float(rope.get("factor"))
     if rope.rope_type == "linear":
         return RopeFrequencies(_base_inv_freq(base, dim, device) / factor, 1.0)
@@ -67,6 +114,31 @@ def compute_inv_freq(
     if rope.rope_type == "llama3":
         return RopeFrequencies(_llama3(rope, base=base, dim=dim, device=device), 1.0)
     return _yarn(rope, base=base, dim=dim, factor=factor, device=device)
+
+
+def _longrope(
+    rope: RopeConfig,
+    config: ModelConfig,
+    *,
+    base: float,
+    dim: int,
+    long: bool,
+    device: torch.device | None,
+) -> RopeFrequencies:
+    get = rope.get
+    original = int(get("original_max_position_embeddings"))
+    factor = get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / original
+    attention_factor = get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(
+            1 + math.log(factor) / math.log(original)
+        )  # fmt: skip
+    ext = torch.tensor(get("long_factor" if long else "short_factor"), dtype=torch.float32,
+                       device=device)  # fmt: skip
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return RopeFrequencies(1.0 / (ext * base**shape), float(attention_factor))
 
 
 def _llama3(
@@ -131,10 +203,14 @@ class RotaryEmbedding(nn.Module):
     Rotation is the "rotate half" (non-interleaved) layout of Hugging Face Llama. The
     table is a non-persistent float32 buffer; lookups cast to the activations' dtype.
     ``rope`` overrides ``config.rope`` (a Gemma 3 model has one table per layer type).
+    A ``longrope`` table has ``2 * max_len`` rows, the short factors' then the long
+    factors' (:attr:`long_rope`); otherwise ``long_rope`` is ``None`` and row ``p`` is
+    position ``p``.
     """
 
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
+    long_rope: LongRope | None
 
     def __init__(
         self,
@@ -144,16 +220,26 @@ class RotaryEmbedding(nn.Module):
         rope: RopeConfig | None = None,
     ) -> None:
         super().__init__()
-        freqs = compute_inv_freq(config, max_len, device=device, rope=rope)
+        threshold = (rope or config.rope).longrope_threshold
+        sets = [compute_inv_freq(config, max_len, device=device, rope=rope)]
+        if threshold is not None:
+            sets.append(compute_inv_freq(config, max_len, device=device, rope=rope, long=True))
         positions = torch.arange(max_len, device=device, dtype=torch.float32)
-        angles = positions[:, None] * freqs.inv_freq[None, :].float()
-        emb = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("cos_cache", emb.cos() * freqs.attention_scaling, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * freqs.attention_scaling, persistent=False)
+        cos, sin = [], []
+        for freqs in sets:
+            angles = positions[:, None] * freqs.inv_freq[None, :].float()
+            emb = torch.cat((angles, angles), dim=-1)
+            cos.append(emb.cos() * freqs.attention_scaling)
+            sin.append(emb.sin() * freqs.attention_scaling)
+        self.register_buffer("cos_cache", torch.cat(cos), persistent=False)
+        self.register_buffer("sin_cache", torch.cat(sin), persistent=False)
         self.max_len = max_len
+        self.long_rope = None if threshold is None else LongRope(threshold, max_len)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
-        """The rotation factors of ``positions [T]`` (each must be ``< max_len``)."""
+        """The rotation factors of table rows ``positions [T]``: each a position below
+        ``max_len``, plus ``max_len`` for a token that rotates with longrope's long
+        factors (:attr:`long_rope`)."""
         cos = self.cos_cache.index_select(0, positions).to(dtype)[:, None, :]
         sin = self.sin_cache.index_select(0, positions).to(dtype)[:, None, :]
         return CosSin(cos, sin)

@@ -100,6 +100,7 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             max_model_len=self.max_model_len,
             vocab_size=loaded.config.vocab_size,
+            long_rope=self.model.rotary.long_rope,
         )
         self._sampling = StepSampler(
             seed=settings.seed, device=self.device, eos_token_id=loaded.config.eos_token_id
@@ -250,7 +251,8 @@ class ModelRunner:
             )
         with torch.inference_mode(), self.device_sync.compute_stream(), lora_step(lora):
             meta = batch.attn_meta
-            hidden = self.model(batch.input_ids, meta.positions, meta, self.kv_caches, hooks)
+            rope_rows = meta.positions if batch.rope_rows is None else batch.rope_rows
+            hidden = self.model(batch.input_ids, rope_rows, meta, self.kv_caches, hooks)
             parts = [r for r in (batch.sample_rows, batch.prompt_rows, batch.draft_rows)
                      if r is not None]  # fmt: skip
             rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # one lm_head (a collective)

@@ -399,6 +399,7 @@ def _schedule(state: SchedulerState, request: Request, num_new: int) -> Schedule
         ),
         draft_token_ids=draft_token_ids,
         lora=request.lora,
+        num_prompt_tokens=request.num_prompt_tokens,
     )
     state.sent_blocks[req_id] = len(block_ids)
     request.num_computed_tokens = start + num_new

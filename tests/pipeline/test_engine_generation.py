@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from checkpoints import build_checkpoint
 
 from pipeline import LLM, EngineConfig, SamplingParams
 
@@ -165,3 +167,66 @@ class TestSampling:
             alone = llm.generate([prompts[0]], seeded)[0].token_ids
             batch = llm.generate(prompts, [seeded] + [SamplingParams(max_tokens=8)] * 3)
         assert batch[0].token_ids == alone
+
+
+_LONGROPE = {"type": "longrope",
+             "short_factor": [1.0, 1.05, 1.1, 1.2, 1.4, 1.7, 2.1, 2.6],
+             "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 9.0, 13.0, 19.0]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def longrope_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Llama and Phi-3 checkpoints with longrope scaling: long factors past 32
+    positions (Llama's transformers config reads longrope as Phi-3's does)."""
+    root = tmp_path_factory.mktemp("longrope")
+    return {
+        kind: build_checkpoint(kind, root / kind, max_position_embeddings=128,
+                               original_max_position_embeddings=32, rope_scaling=_LONGROPE)
+        for kind in ("llama", "phi3")
+    }  # fmt: skip
+
+
+class TestLongRope:
+    """longrope (original_max_position_embeddings 32): the short or long factors per
+    request and token, as transformers picks them per forward call."""
+
+    def _run(
+        self, path: Path, batches: list[list[list[int]]], new_tokens: int, leak_check: Any
+    ) -> list[Any]:
+        params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0)
+        config = EngineConfig(model=str(path), dtype="float32", block_size=16,
+                              max_num_batched_tokens=16, max_model_len=128)  # fmt: skip
+        with LLM(config) as llm:
+            outs = [o for batch in batches for o in llm.generate(batch, params)]
+            leak_check(llm.leak_report())
+        return outs
+
+    def test_llama_greedy_equals_generate_with_prefix_cache(
+        self, longrope_paths: dict[str, Path], leak_check: Any
+    ) -> None:
+        """A 20-token prompt decoding across position 32 and a 45-token one, batched in
+        chunks of 16, give ``generate``'s tokens (its decode steps switch to the long
+        factors at position 32, the cache keeping its short keys); then a 40-token
+        prompt that starts with the 20-token one (whose cached first block was rotated
+        short) does too: a long prompt never reuses a short one's blocks, and reuses its
+        own (run twice)."""
+        short, long = _prompts(256, seed=7)[4][:20], _prompts(256, seed=8)[5][:45]
+        extended = short + _prompts(256, seed=9)[4][:20]
+        path = longrope_paths["llama"]
+        expected = _hf_greedy(path, [short, long, extended], 16)
+        outs = self._run(path, [[short, long], [extended], [extended]], 16, leak_check)
+        assert [list(o.token_ids) for o in outs] == [*expected, expected[2]]
+        assert outs[2].num_cached_tokens == 0
+        assert outs[3].num_cached_tokens > 0
+
+    def test_phi3_greedy_equals_generate(
+        self, longrope_paths: dict[str, Path], leak_check: Any
+    ) -> None:
+        """Phi-3: prompts of 45 and 70 tokens (long throughout) and of 12 (short
+        throughout: decoding ends before position 32), batched in chunks of 16, give
+        ``generate``'s tokens."""
+        prompts = [_prompts(256, seed=8)[5][:45], _prompts(256, seed=10)[5][:70],
+                   _prompts(256, seed=11)[4][:12]]  # fmt: skip
+        path = longrope_paths["phi3"]
+        expected = _hf_greedy(path, prompts, 16)
+        assert [list(o.token_ids) for o in self._run(path, [prompts], 16, leak_check)] == expected

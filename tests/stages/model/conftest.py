@@ -128,6 +128,26 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Phi-3's longrope: the long factors from position 32 on (or for a prompt longer
+    # than 32), eight distinct factors each (head_dim 16), the default attention factor
+    # (max_position_embeddings / original = 4).
+    "phi3_longrope": (
+        "phi3",
+        {
+            "tie_word_embeddings": False,
+            "sliding_window": None,
+            "pad_token_id": 0,
+            "eos_token_id": 2,
+            "bos_token_id": 1,
+            "max_position_embeddings": 128,
+            "original_max_position_embeddings": 32,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0, 1.05, 1.1, 1.2, 1.4, 1.7, 2.1, 2.6],
+                "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 9.0, 13.0, 19.0],
+            },
+        },
+    ),
     "rope_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "rope_llama3": (
         "llama",
@@ -234,6 +254,7 @@ class StepDriver:
                     sampling=self.params[req_id],
                     sample=done + n == len(toks),
                     num_output_tokens=len(toks) - self.prompt_len[req_id],
+                    num_prompt_tokens=self.prompt_len[req_id],
                 )
             )
             self.computed[req_id] = done + n

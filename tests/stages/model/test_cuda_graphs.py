@@ -114,13 +114,14 @@ def _check_equal(eager: Any, graphs: Any) -> None:
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["llama_gqa", "gemma3"])
+@pytest.mark.parametrize("variant", ["llama_gqa", "gemma3", "phi3_longrope"])
 def test_same_tokens_logits_and_cache_as_eager(
     hf_checkpoint: Any, step_driver: type, recorded_replay: None, variant: str
 ) -> None:
     """Greedy tokens equal, logits and every cache slot equal to rounding, over
     batches of 1 to 6 requests (padded to 1, 2, 4, 8) and contexts of 5 to 13 blocks
-    (tables 8 and 16 wide); for Gemma 3 with sliding layers masked per row in the graph."""
+    (tables 8 and 16 wide); for Gemma 3 with sliding layers masked per row in the graph;
+    for longrope with rows switching to the long factors at position 32 in the graph."""
     _, path = hf_checkpoint(variant)
     eager, graphs = _drive_both(path, "cpu", step_driver)
     _check_equal(eager, graphs)
@@ -227,7 +228,7 @@ def test_refused_on_a_cpu_model(hf_checkpoint: Any) -> None:
 
 @pytest.mark.cuda
 @CUDA
-@pytest.mark.parametrize("variant", ["llama_gqa", "gemma3"])
+@pytest.mark.parametrize("variant", ["llama_gqa", "gemma3", "phi3_longrope"])
 def test_cuda_graphs_equal_eager(hf_checkpoint: Any, step_driver: type, variant: str) -> None:
     """Real CUDA graphs: the same tokens, logits and cache as the eager path."""
     _, path = hf_checkpoint(variant)

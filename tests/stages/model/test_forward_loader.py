@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import msgspec
@@ -80,8 +80,66 @@ class TestModelConfig:
 
     def test_unsupported_rope_type(self) -> None:
         """An unknown rope type is refused, naming the supported ones."""
-        with pytest.raises(ModelLoadError, match=r"longrope.*supported: default"):
-            ModelConfig.from_hf_dict(_llama_dict(rope_scaling={"rope_type": "longrope"}))
+        with pytest.raises(ModelLoadError, match=r"'wobble'.*supported: default"):
+            ModelConfig.from_hf_dict(_llama_dict(rope_scaling={"rope_type": "wobble"}))
+
+
+class TestLongRopeConfig:
+    """``longrope`` (Phi-3's ``su``) settings, read as transformers reads them."""
+
+    SHORT: ClassVar[list[float]] = [1.0, 1.5, 1.25, 1.0]  # head_dim 8: four frequencies
+    LONG: ClassVar[list[float]] = [2.0, 3.0, 4.0, 5.0]
+
+    def _phi3(self, rope: dict[str, object], **extra: object) -> ModelConfig:
+        return ModelConfig.from_hf_dict(
+            _llama_dict(architectures=["Phi3ForCausalLM"], rope_scaling=rope, **extra)
+        )
+
+    def test_longrope_is_read(self) -> None:
+        """short/long factors become tuples and the threshold is the config's top-level
+        original_max_position_embeddings (it wins over the rope settings' own)."""
+        cfg = self._phi3(
+            {"type": "longrope", "short_factor": self.SHORT, "long_factor": self.LONG,
+             "original_max_position_embeddings": 8},
+            original_max_position_embeddings=32, max_position_embeddings=128,
+        )  # fmt: skip
+        assert cfg.rope.rope_type == "longrope"
+        assert cfg.rope.get("short_factor") == (1.0, 1.5, 1.25, 1.0)
+        assert cfg.rope.longrope_threshold == 32
+        assert cfg.prefix_cache_key(32) is None
+        assert cfg.prefix_cache_key(33) == "longrope:long"
+
+    @pytest.mark.parametrize("alias", ["su", "yarn"])
+    def test_phi3_aliases(self, alias: str) -> None:
+        """Phi-3's ``su`` and ``yarn`` mean longrope (``Phi3Config`` maps them); without
+        a top-level original_max_position_embeddings a Phi-3 config's is 4096."""
+        cfg = self._phi3({"type": alias, "short_factor": self.SHORT, "long_factor": self.LONG,
+                          "original_max_position_embeddings": 8})  # fmt: skip
+        assert cfg.rope.rope_type == "longrope"
+        assert cfg.rope.longrope_threshold == 4096
+
+    def test_llama_yarn_stays_yarn(self) -> None:
+        """Only Phi-3 reads ``yarn`` as longrope; others' threshold comes from the rope
+        settings when the top level has none."""
+        yarn_rope = {"rope_type": "yarn", "factor": 2.0}
+        yarn = ModelConfig.from_hf_dict(_llama_dict(rope_scaling=yarn_rope))
+        assert yarn.rope.rope_type == "yarn" and yarn.rope.longrope_threshold is None
+        llama = ModelConfig.from_hf_dict(_llama_dict(rope_parameters={
+            "rope_type": "longrope", "short_factor": self.SHORT, "long_factor": self.LONG,
+            "original_max_position_embeddings": 8}))  # fmt: skip
+        assert llama.rope.longrope_threshold == 8
+
+    @pytest.mark.parametrize(
+        ("name", "value"), [("short_factor", None), ("long_factor", [1.0]),
+                            ("short_factor", [1.0, 1.0, 1.0, "x"])],
+    )  # fmt: skip
+    def test_bad_factors_refused(self, name: str, value: object) -> None:
+        """Missing factors, or a list not of head_dim // 2 numbers, is refused naming it."""
+        rope: dict[str, object] = {"type": "longrope", "short_factor": self.SHORT,
+                                   "long_factor": self.LONG}  # fmt: skip
+        rope[name] = value
+        with pytest.raises(ModelLoadError, match=name):
+            self._phi3(rope)
 
     def test_qwen2_has_qkv_bias(self) -> None:
         """Qwen2 always has q/k/v bias and no o_proj bias."""
