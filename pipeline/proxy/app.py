@@ -66,7 +66,10 @@ class ProxyState:
         self.prefill: Hop | None = None
         self.decode: Hop
         self.drain = Drain(
-            options.shutdown_timeout_s, registry=self.metrics.registry, prefix="kvstep_proxy"
+            options.shutdown_timeout_s,
+            abort_grace_s=0.0,  # nothing to abort: the relayed streams are cut at once
+            registry=self.metrics.registry,
+            prefix="kvstep_proxy",
         )
 
     @contextlib.asynccontextmanager
@@ -172,9 +175,7 @@ def create_proxy_app(proxy: ProxyOptions, options: ServerOptions | None = None) 
             Route("/metrics", _metrics, methods=["GET"]),
         ],
         middleware=[
-            Middleware(
-                GuardMiddleware, api_key=state.options.api_key_bytes(), drain=state.drain
-            )
+            Middleware(GuardMiddleware, api_key=state.options.api_key_bytes(), drain=state.drain)
         ],
         exception_handlers=exception_handlers(),
         lifespan=lifespan,

@@ -8,7 +8,9 @@ request gets a 503 ``server_draining`` error with ``Retry-After`` and
 nothing is in flight and the app is idle (a server's engine: no request, no KV held for
 a consumer, no transfer), or after ``timeout_s``: then the app's ``abort`` ends what is
 left (a server's streams end with ``finish_reason: "abort"``), and what still runs
-:data:`ABORT_GRACE_S` later is cut (its connection closed mid-response).
+``abort_grace_s`` later is cut (its connection closed mid-response; uvicorn logs
+"ASGI callable returned without completing response"). The proxy has nothing to abort
+and cuts at once.
 
 Answering 503 on the open listener, rather than closing it, is deliberate: a refused
 connection looks like a crash to a client and to a balancer, a 503 with ``Retry-After``
@@ -39,8 +41,9 @@ __all__ = ["ABORT_GRACE_S", "RETRY_AFTER_S", "Drain", "DrainResult"]
 _log = get_logger()
 
 ABORT_GRACE_S = 2.0
-"""How long the requests aborted at the deadline get to write their last event (a
-server's ``finish_reason: "abort"`` chunk and ``[DONE]``) before they are cut."""
+"""How long a server's requests aborted at the deadline get to write their last event
+(the ``finish_reason: "abort"`` chunk and ``[DONE]``) before they are cut (the default
+of :class:`Drain`'s ``abort_grace_s``)."""
 
 RETRY_AFTER_S = 1
 """The ``Retry-After`` of a request refused while draining: retry at once, elsewhere
@@ -59,8 +62,8 @@ class DrainResult:
             work left.
         aborted: Requests the app's ``abort`` ended at the deadline (a server's engine
             requests).
-        cut: HTTP requests still running :data:`ABORT_GRACE_S` after the abort,
-            cancelled (their connections closed mid-response).
+        cut: HTTP requests still running ``abort_grace_s`` after the abort, cancelled
+            (their connections closed mid-response).
     """
 
     waited_s: float
@@ -80,6 +83,8 @@ class Drain:
         abort: Ends the app's work at the deadline; returns how many requests it
             aborted (a server aborts its engine's requests; their streams end with
             ``finish_reason: "abort"``).
+        abort_grace_s: How long the requests get, after ``abort``, to end by
+            themselves before they are cut.
         open_paths: Paths answered while draining and not counted in flight
             (``/health``, ``/metrics``, and a server's KV release, which frees KV).
         registry: Where the ``{prefix}_draining`` gauge and the
@@ -94,6 +99,7 @@ class Drain:
         *,
         is_idle: Callable[[], bool] = lambda: True,
         abort: Callable[[], int] = lambda: 0,
+        abort_grace_s: float = ABORT_GRACE_S,
         open_paths: Collection[str] = ("/health", "/metrics"),
         registry: CollectorRegistry | None = None,
         prefix: str = "kvstep_server",
@@ -101,6 +107,7 @@ class Drain:
         self.timeout_s = timeout_s
         self._is_idle = is_idle
         self._abort = abort
+        self._abort_grace_s = abort_grace_s
         self._open = frozenset(open_paths)
         self._scopes: set[anyio.CancelScope] = set()
         self._started: float | None = None
@@ -181,12 +188,12 @@ class Drain:
         self._started = time.monotonic()
         self._gauge.set(1)
         _log.info("draining", in_flight=self.in_flight, timeout_s=self.timeout_s)
-        await self._wait(self._done, self.seconds_left)
+        await self._wait(self._done, self.seconds_left, hurried=lambda: self._hurried)
         timed_out = not self._done()
         aborted = cut = 0
         if timed_out:
             aborted = self._abort()
-            grace_end = time.monotonic() + ABORT_GRACE_S
+            grace_end = time.monotonic() + self._abort_grace_s
             await self._wait(lambda: not self._scopes, lambda: grace_end - time.monotonic())
             cut = len(self._scopes)
             for scope in list(self._scopes):
@@ -200,6 +207,11 @@ class Drain:
     def _done(self) -> bool:
         return not self._scopes and self._is_idle()
 
-    async def _wait(self, done: Callable[[], bool], left: Callable[[], float]) -> None:
-        while not done() and left() > 0 and not self._hurried:
+    @staticmethod
+    async def _wait(
+        done: Callable[[], bool],
+        left: Callable[[], float],
+        hurried: Callable[[], bool] = lambda: False,
+    ) -> None:
+        while not done() and left() > 0 and not hurried():
             await anyio.sleep(min(_POLL_S, max(left(), 0.0)))
