@@ -165,6 +165,7 @@ class TestServeDrain:
         sent = _terminate(server)
         results = streams.join()
         took = _exit_after(server, sent, timeout_s)
+        print(f"exit {took:.2f} s after SIGTERM (--shutdown-timeout {timeout_s})")
         assert took < timeout_s + EXIT_SLACK_S, took
         for r in results.values():
             assert (r["status"], r["finish_reason"], r["done"]) == (200, "abort", True), r
