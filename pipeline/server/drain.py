@@ -177,8 +177,10 @@ class Drain:
 
     async def run(self) -> DrainResult:
         """Drain: refuse new requests, wait for the ones in flight (up to ``timeout_s``),
-        then abort, then cut what is left. Not cancellation-safe to call twice: a second
-        call returns the first one's result at once.
+        then abort, then cut what is left. Called once: a later call returns at once,
+        with the first one's result (an empty one while the first still runs).
+        Cancelling it is safe: the app stays draining (new requests refused), and
+        nothing is aborted or cut.
 
         Returns:
             How the drain ended (also kept as :attr:`result`).
