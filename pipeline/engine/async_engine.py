@@ -313,6 +313,15 @@ class AsyncEngine:
         """Abort a request; its stream ends with ``finish_reason="abort"``. Thread-safe."""
         self._request_abort(request_id)
 
+    def abort_all(self) -> int:
+        """Abort every live request (a server's drain at its deadline); each stream ends
+        with ``finish_reason="abort"`` on the next pass of the step loop. Returns how
+        many were asked. Call it from the engine's event loop."""
+        ids = list(self._streams)
+        for request_id in ids:
+            self._request_abort(request_id)
+        return len(ids)
+
     def _request_abort(self, request_id: str) -> None:
         with self._abort_lock:
             self._aborts.append(request_id)

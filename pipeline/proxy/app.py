@@ -24,7 +24,8 @@ from pipeline.proxy.options import ProxyOptions
 from pipeline.proxy.pool import BackendPool
 from pipeline.proxy.routes import chat_completions, completions
 from pipeline.proxy.upstream import Hop
-from pipeline.server.errors import error_response, exception_handlers
+from pipeline.server.drain import Drain
+from pipeline.server.errors import error_body, error_response, exception_handlers
 from pipeline.server.middleware import GuardMiddleware
 from pipeline.server.options import ServerOptions
 from pipeline.tokenizer import load_tokenizer
@@ -48,6 +49,9 @@ class ProxyState:
             the lifespan is open.
         decode: The hop that answers the client: to the consumers, or to the replicas;
             set while the lifespan is open.
+        drain: The shutdown drain (``options.shutdown_timeout_s``): waits for the
+            requests in flight, then cuts them (the backends see the client go and
+            abort their requests).
     """
 
     def __init__(self, proxy: ProxyOptions, options: ServerOptions) -> None:
@@ -61,6 +65,12 @@ class ProxyState:
         self.timeout_s = proxy.upstream_timeout_s
         self.prefill: Hop | None = None
         self.decode: Hop
+        self.drain = Drain(
+            options.shutdown_timeout_s,
+            abort_grace_s=0.0,  # nothing to abort: the relayed streams are cut at once
+            registry=self.metrics.registry,
+            prefix="kvstep_proxy",
+        )
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -164,7 +174,9 @@ def create_proxy_app(proxy: ProxyOptions, options: ServerOptions | None = None) 
             Route("/health", _health, methods=["GET"]),
             Route("/metrics", _metrics, methods=["GET"]),
         ],
-        middleware=[Middleware(GuardMiddleware, api_key=state.options.api_key_bytes())],
+        middleware=[
+            Middleware(GuardMiddleware, api_key=state.options.api_key_bytes(), drain=state.drain)
+        ],
         exception_handlers=exception_handlers(),
         lifespan=lifespan,
     )
@@ -173,7 +185,18 @@ def create_proxy_app(proxy: ProxyOptions, options: ServerOptions | None = None) 
 
 
 async def _health(request: Request) -> Response:
+    """200 with the pools' health; 503 when a pool has no healthy backend, or
+    ``{"status": "draining", ...}`` while the proxy drains for shutdown."""
     state: ProxyState = request.app.state.kvstep
+    if state.drain.draining:
+        body = {
+            "status": "draining",
+            "in_flight": state.drain.in_flight,
+            "seconds_left": round(state.drain.seconds_left(), 3),
+        }
+        message = "the proxy is shutting down (draining)"
+        body |= error_body(message, "service_unavailable_error", "server_draining")
+        return JSONResponse(body, status_code=503, headers={"Connection": "close"})
     pools: dict[str, dict[str, int]] = {
         p.name: {"healthy": p.num_healthy, "total": len(p.backends)} for p in state.pools
     }

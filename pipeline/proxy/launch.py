@@ -29,18 +29,20 @@ def serve_proxy(
 
     ``options`` guards the proxy as :func:`pipeline.server.serve`'s guard the server:
     body cap and timeout, API key, header and keep-alive timeouts, concurrency limit.
-    Logs ``listening on http://HOST:PORT`` once listening.
+    Logs ``listening on http://HOST:PORT`` once listening. SIGINT/SIGTERM drain it as
+    they drain a server (:mod:`pipeline.server.draining`): new requests get 503 with
+    ``Retry-After``, ``/health`` 503 ``draining``, and the requests in flight run on
+    for at most ``options.shutdown_timeout_s``, then are cut.
 
     Raises:
         SystemExit: The server did not start (e.g. the port is in use).
     """
-    import uvicorn
-
+    from pipeline.server.draining import DrainingServer
     from pipeline.server.protocol import run_uvicorn
 
     options = options or ServerOptions()
 
-    class Server(uvicorn.Server):
+    class Server(DrainingServer):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)
             if self.started:
@@ -48,7 +50,8 @@ def serve_proxy(
                 shown = f"[{host}]" if ":" in host else host
                 _log.info(f"proxy listening on http://{shown}:{bound[0] if bound else port}")
 
-    run_uvicorn(create_proxy_app(proxy, options), host, port, options, access_log, Server)
+    app = create_proxy_app(proxy, options)
+    run_uvicorn(app, host, port, options, access_log, Server, app.state.kvstep.drain)
 
 
 def add_proxy_flags(parser: argparse.ArgumentParser) -> None:

@@ -5,11 +5,14 @@ port)`` runs it under uvicorn (``kvstep serve``).
 """
 
 from pipeline.server.app import ServerState, create_app
+from pipeline.server.drain import Drain, DrainResult
 from pipeline.server.launch import add_server_flags, main, serve, server_options
 from pipeline.server.metrics import LoopLagMonitor, ServerMetrics
 from pipeline.server.options import ServerOptions
 
 __all__ = [
+    "Drain",
+    "DrainResult",
     "LoopLagMonitor",
     "ServerMetrics",
     "ServerOptions",

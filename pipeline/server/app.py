@@ -22,6 +22,7 @@ from pipeline.errors import EngineDeadError, InvalidConfigError
 from pipeline.logger import get_logger
 from pipeline.server.chat import chat_completions
 from pipeline.server.completions import completions
+from pipeline.server.drain import Drain
 from pipeline.server.errors import error_body, exception_handlers
 from pipeline.server.kv_transfer import RELEASE_PATH, release_transfer
 from pipeline.server.lora import (
@@ -65,6 +66,9 @@ class ServerState:
         reasoning_parser: The reasoning parser of ``options.reasoning_parser``, or
             ``None``.
         loras: The LoRA adapters served, each as a model of its name.
+        drain: The shutdown drain (``options.shutdown_timeout_s``): waits for the HTTP
+            requests and for the engine to go idle (no KV held for a consumer), then
+            aborts the engine's requests.
     """
 
     def __init__(
@@ -93,6 +97,19 @@ class ServerState:
         self.reasoning_parser = None if name is None else get_reasoning_parser(name)()
         self.loras = ServedLoRAs(model_name)
         self._given = given
+        self.drain = Drain(
+            self.options.shutdown_timeout_s,
+            is_idle=self._engine_idle,
+            abort=self._abort_all,
+            open_paths=("/health", "/metrics", RELEASE_PATH),
+            registry=self.metrics.registry,
+        )
+
+    def _engine_idle(self) -> bool:
+        return self.engine is None or self.engine.is_dead or self.engine.is_idle
+
+    def _abort_all(self) -> int:
+        return 0 if self.engine is None else self.engine.abort_all()
 
     def running_engine(self) -> AsyncEngine:
         """The engine to serve with; raises ``EngineDeadError`` (503) when none runs.
@@ -226,7 +243,9 @@ def create_app(
             Route("/health", _health, methods=["GET"]),
             Route("/metrics", _metrics, methods=["GET"]),
         ],
-        middleware=[Middleware(GuardMiddleware, api_key=options.api_key_bytes())],
+        middleware=[
+            Middleware(GuardMiddleware, api_key=options.api_key_bytes(), drain=state.drain)
+        ],
         exception_handlers=exception_handlers(),
         lifespan=lifespan,
     )
@@ -246,7 +265,10 @@ async def _models(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
-    """200 with counters and the leak report while the engine serves; 503 otherwise.
+    """200 with counters and the leak report while the engine serves; 503 otherwise:
+    ``{"status": "draining", ...}`` while the server drains for shutdown (with the
+    requests in flight and the seconds left), ``"unavailable"`` when the engine is not
+    running.
 
     With a connector, ``kv_connector`` says whether its loads work: ``"degraded"``
     (and ``status`` with it, still 200: the engine serves, recomputing) when every load
@@ -254,6 +276,17 @@ async def _health(request: Request) -> Response:
     KV events endpoints are shown only to callers holding the API key when one is set.
     """
     state = _state(request)
+    if state.drain.draining:
+        engine = state.engine
+        body = {
+            "status": "draining",
+            "in_flight": state.drain.in_flight,
+            "requests": 0 if engine is None else engine.num_requests,
+            "seconds_left": round(state.drain.seconds_left(), 3),
+        }
+        message = "the server is shutting down (draining)"
+        body |= error_body(message, "service_unavailable_error", "server_draining")
+        return JSONResponse(body, status_code=503, headers={"Connection": "close"})
     reason = state.unavailable_reason()
     if reason is not None:
         body = {"status": "unavailable", "reason": reason}

@@ -31,8 +31,12 @@ def serve(
 ) -> None:
     """Serve an engine built from ``config`` on ``host:port`` until interrupted.
 
-    Blocks the calling thread (uvicorn owns the event loop); SIGINT/SIGTERM shut the
-    server down gracefully, which closes the engine (aborting what is in flight).
+    Blocks the calling thread (uvicorn owns the event loop). SIGINT/SIGTERM drain the
+    server (:mod:`pipeline.server.draining`): new requests get 503 with ``Retry-After``
+    and ``/health`` 503 ``draining`` while the requests in flight finish, for at most
+    ``options.shutdown_timeout_s``; what is left then ends with ``finish_reason:
+    "abort"``, the engine closes (releasing held KV, flushing the step log) and
+    ``serve`` returns. A second signal aborts what is in flight at once.
     ``options`` sets the body cap and timeout, the API key, the header and keep-alive
     timeouts and uvicorn's ``limit_concurrency`` (defaults: :class:`ServerOptions`).
     ``access_log`` turns on uvicorn's access log (one line per request, on stdout).
@@ -47,17 +51,18 @@ def serve(
 
     options = options or ServerOptions()
     app = create_app(config, freeze_gc=True, options=options)
-    run_uvicorn(app, host, port, options, access_log, _server_class())
+    drain = app.state.kvstep.drain
+    run_uvicorn(app, host, port, options, access_log, _server_class(), drain)
 
 
 def _server_class() -> type:
-    import uvicorn
+    from pipeline.server.draining import DrainingServer
 
-    class Server(uvicorn.Server):
-        """uvicorn's server, logging the ready and shutdown lines.
+    class Server(DrainingServer):
+        """The draining server, logging the ready and shutdown lines.
 
-        The shutdown line is logged here, not after ``run()``: uvicorn re-raises the
-        SIGTERM/SIGINT it caught once it has shut down, which ends the process.
+        The shutdown line is logged here, not after ``run()``: after uvicorn's force
+        quit (a third signal) it re-raises the signal, which ends the process.
         """
 
         async def startup(self, sockets: Any = None) -> None:
@@ -156,6 +161,15 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         '(vLLM\'s name=path or {"name": ..., "path": ...}); turns on --enable-lora',
     )
     parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.shutdown_timeout_s,
+        metavar="S",
+        help="on SIGTERM/SIGINT, seconds the requests in flight may take to finish while "
+        "new ones get 503 and /health says draining; then the rest are aborted "
+        "(0: abort at once; a second signal: at once)",
+    )
+    parser.add_argument(
         "--access-log",
         action="store_true",
         help="log one line per request (uvicorn's access log, on stdout; default: off)",
@@ -176,6 +190,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
         "lora_modules": tuple(parse_lora_module(m) for m in args.lora_modules or ()),
+        "shutdown_timeout_s": args.shutdown_timeout,
     }
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise InvalidConfigError(

@@ -1,9 +1,11 @@
-"""The guard in front of every route: a request id, the API key, and a generic 500.
+"""The guard in front of every route: a request id, the API key, the drain, a generic 500.
 
 A plain ASGI middleware (no body buffering): it names each HTTP request
 (``X-Request-Id``), refuses a missing or wrong bearer key with 401 before the app reads
-anything (``/health`` stays open for orchestrators), and turns an exception no handler
-took into a generic 500 that carries the request id, the traceback going to the log.
+anything (``/health`` stays open for orchestrators), refuses new requests with 503
+``server_draining`` while the server drains for shutdown and counts the others in flight
+(:class:`~pipeline.server.drain.Drain`), and turns an exception no handler took into a
+generic 500 that carries the request id, the traceback going to the log.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.logger import get_logger
+from pipeline.server.drain import RETRY_AFTER_S, Drain
 from pipeline.server.errors import error_response, ignored_fields_header
 
 __all__ = ["GuardMiddleware"]
@@ -26,16 +29,18 @@ _OPEN_PATHS = frozenset({"/health"})
 
 
 class GuardMiddleware:
-    """Request ids, bearer-key auth and the last-resort 500 (see the module doc).
+    """Request ids, bearer-key auth, the drain and the last-resort 500 (see the module doc).
 
     Args:
         app: The wrapped ASGI app.
         api_key: The key as bytes, or ``None`` for no authentication.
+        drain: The server's drain, or ``None`` (no 503 while draining, nothing counted).
     """
 
-    def __init__(self, app: ASGIApp, api_key: bytes | None = None) -> None:
+    def __init__(self, app: ASGIApp, api_key: bytes | None = None, drain: Drain | None = None):
         self.app = app
         self._key = api_key
+        self._drain = drain
         self._prefix = os.urandom(4).hex()
         self._ids = itertools.count(1)
 
@@ -74,8 +79,24 @@ class GuardMiddleware:
             )
             await response(scope, receive, send_with_id)
             return
+        drain, path = self._drain, _route_path(scope)
+        if drain is not None and not drain.admits(path):
+            drain.refused()
+            response = error_response(
+                503,
+                "the server is shutting down (draining); retry the request on another server",
+                "service_unavailable_error",
+                "server_draining",
+                headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+            )
+            await response(scope, receive, send_with_id)
+            return
         try:
-            await self.app(scope, receive, send_with_id)
+            if drain is None or not drain.tracks(path):
+                await self.app(scope, receive, send_with_id)
+            else:
+                with drain.track():  # counted in flight; the drain's end may cut it
+                    await self.app(scope, receive, send_with_id)
         except Exception as exc:
             _log_internal_error(rid, scope, exc)
             if started:

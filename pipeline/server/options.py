@@ -23,6 +23,10 @@ def _positive_seconds(instance: Any, attribute: attrs.Attribute[Any], value: obj
     check_float(attribute.name, value, InvalidConfigError, lo=0.0, hi=math.inf, lo_open=True)
 
 
+def _seconds(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    check_float(attribute.name, value, InvalidConfigError, lo=0.0, hi=math.inf)
+
+
 def _int_at_least(low: int, *, optional: bool = False) -> Any:
     def check(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
         check_int(attribute.name, value, InvalidConfigError, lo=low, optional=optional)
@@ -97,6 +101,13 @@ class ServerOptions:
             (``--lora-modules name=path``); each is served as a model of that name
             (:mod:`pipeline.server.lora`). Given any, the engine runs with
             ``enable_lora``.
+        shutdown_timeout_s: How long a drain lets the requests in flight finish after
+            SIGTERM or SIGINT (vLLM's ``--shutdown-timeout``): meanwhile ``/health``
+            answers 503 ``draining`` and new requests 503 with ``Retry-After``; past
+            it, what is left is aborted (streams end with ``finish_reason: "abort"``).
+            ``0``: abort at once. Finite, so a shutdown is always bounded
+            (:mod:`pipeline.server.drain`). The default, 25 s, leaves 5 s of
+            Kubernetes' default 30 s grace period for the abort and the close.
     """
 
     api_key: str | None = attrs.field(default=None, repr=False, validator=_api_key)
@@ -114,6 +125,7 @@ class ServerOptions:
     lora_modules: tuple[tuple[str, str], ...] = attrs.field(
         default=(), converter=tuple, validator=_lora_modules
     )
+    shutdown_timeout_s: float = attrs.field(default=25.0, validator=_seconds)
 
     @classmethod
     def from_env(cls, **fields: Any) -> ServerOptions:

@@ -20,6 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pipeline.logger import get_logger
 
 if TYPE_CHECKING:
+    from pipeline.server.drain import Drain
     from pipeline.server.options import ServerOptions
 
 __all__ = ["header_timeout_protocol", "run_uvicorn"]
@@ -75,14 +76,20 @@ def run_uvicorn(
     options: ServerOptions,
     access_log: bool,
     server_class: type[Any],
+    drain: Drain | None = None,
 ) -> None:
-    """Serve ``app`` with ``server_class`` (a ``uvicorn.Server``) under ``options``'
-    guards (header deadline, keep-alive, concurrency limit) until it exits.
+    """Serve ``app`` with ``server_class`` (a
+    :class:`~pipeline.server.draining.DrainingServer`) under ``options``' guards (header
+    deadline, keep-alive, concurrency limit) until it exits; a signal runs ``drain``
+    first (bounded by ``options.shutdown_timeout_s``), then uvicorn's shutdown, itself
+    bounded by :data:`~pipeline.server.draining.SHUTDOWN_GRACE_S`.
 
     Raises:
         SystemExit: 3 when the server did not start (uvicorn's STARTUP_FAILURE).
     """
     import uvicorn
+
+    from pipeline.server.draining import SHUTDOWN_GRACE_S
 
     server = server_class(
         uvicorn.Config(
@@ -95,7 +102,9 @@ def run_uvicorn(
             http=header_timeout_protocol(options.header_timeout_s),
             timeout_keep_alive=max(1, round(options.timeout_keep_alive_s)),
             limit_concurrency=options.limit_concurrency,
-        )
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,  # type: ignore[arg-type]  # a float
+        ),
+        drain=drain,
     )
     if access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)

@@ -69,6 +69,10 @@ class Fake:
                 while True:
                     yield SSE_CHUNKS[0]
                     await anyio.sleep(0.05)
+            if self.mode == "paced":  # about 1.5 s, then the usual end
+                for _ in range(30):
+                    yield SSE_CHUNKS[0]
+                    await anyio.sleep(0.05)
             for chunk in SSE_CHUNKS:
                 yield chunk
             if self.mode == "break":
