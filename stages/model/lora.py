@@ -2,25 +2,30 @@
 
 With ``enable_lora``, :func:`attach_lora` wraps each projection an adapter may target
 (q/k/v/o, gate/up/down, or the packed ``qkv_proj``/``gate_up_proj`` they became) in a
-:class:`LoRAProjection`: the base projection, then for each adapter of the step
-``out[rows] += scaling * (x[rows] @ A^T) @ B^T`` on that adapter's rows only. The loop
-runs over the step's adapters (at most ``max_loras``), never over tokens; rows of one
-adapter that lie in one run of the batch are a view, others one gather. A row-parallel
-projection (``o_proj``/``down_proj`` of a tensor-parallel shard) adds its update to its
-partial product, before the all-reduce, with ``A`` split as the weight's input columns;
+:class:`LoRAProjection`: the base projection, then ``out[rows] += scaling * (x[rows] @
+A^T) @ B^T`` for each adapter of the step, on that adapter's rows only. Every slot's
+``A`` and ``B`` of a projection live side by side in one :class:`Stack`, so the updates
+take one of two shapes (never a loop over tokens): for a small step of several adapters
+(decoding), one masked pair of GEMMs over all slots (``x @ A_all^T``, each row's columns
+of other slots zeroed, ``@ B_all``: four ops, whatever the mix, as punica's BGMV does in
+one kernel); otherwise one pair per adapter on its rows (a view when they lie in one run
+of the batch, else one gather), as its SGMV. A row-parallel projection
+(``o_proj``/``down_proj`` of a tensor-parallel shard) adds its update to its partial
+product, before the all-reduce, with ``A`` split as the weight's input columns;
 column-parallel ones split ``B`` as the weight's output rows.
 
 :class:`LoRASlots` is a runner's ``max_loras`` slots, least recently used out first: an
-adapter's weights are cast, scaled (``scaling`` folded into ``B``) and sharded once when
-it takes a slot. The step's adapters and rows reach the projections through a context
-variable set around the forward pass (:func:`lora_step`), so a model shared by
-in-process ranks never holds one rank's step.
+adapter's weights are cast, scaled (``scaling`` folded into ``B``) and sharded once, when
+they are written into a slot of the stacks. The step's adapters and rows reach the
+projections through a context variable set around the forward pass (:func:`lora_step`),
+so a model shared by in-process ranks never holds one rank's step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Mapping, Sequence
 
@@ -37,7 +42,7 @@ from stages.model.layers import MLP, Attention, DecoderLayer, forget_references
 from stages.model.lora_files import PACKED_TARGETS, cached_adapter, lora_shapes
 from stages.model.parallel import RowParallelLinear, TensorParallel, shard_slice
 
-__all__ = ["LoRAProjection", "LoRASlots", "LoRAStep", "attach_lora", "lora_step"]
+__all__ = ["LoRAProjection", "LoRASlots", "LoRAStep", "Stack", "attach_lora", "lora_step"]
 
 _PARENTS = (("self_attn", ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")),
             ("mlp", ("gate_up_proj", "gate_proj", "up_proj", "down_proj")))  # fmt: skip
@@ -45,23 +50,43 @@ _PARENTS = (("self_attn", ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")),
 Rows = slice | torch.Tensor
 """A run of the batch's rows (a view), or their indices (a gather)."""
 
+DENSE_MAX_ROWS_X_SLOTS = 128
+"""A step of several adapters whose rows times ``max_loras`` is at most this (decode
+steps) applies every slot in one masked pair of GEMMs per projection; larger steps (and
+one-adapter steps) run one pair per adapter on its own rows."""
+
 
 @attrs.frozen(eq=False)
-class Delta:
-    """One slot's update of one (possibly packed) projection: ``A`` of every part side
-    by side, and per part ``(first output column, last + 1, first rank row, last + 1,
-    B)`` (``B`` already multiplied by the adapter's scaling)."""
+class Stack:
+    """One wrapped projection's adapters, every slot side by side.
+
+    Attributes:
+        a: ``[slots * rank, in]``: slot ``s``'s ``A`` in rows ``s * rank`` on, each
+            part of a packed projection ``max_lora_rank`` rows of its own.
+        b: ``[slots * rank, out]``: ``B`` transposed and scaled, in the same rows, each
+            part's in its own output columns; zero where a slot's adapter does not reach.
+        rank: Rows per slot.
+    """
 
     a: torch.Tensor
-    parts: tuple[tuple[int, int, int, int, torch.Tensor], ...]
+    b: torch.Tensor
+    rank: int
 
 
 @attrs.frozen(eq=False)
 class LoRAStep:
-    """The adapters of one forward pass: each slot's rows, and each slot's updates by
-    ``(layer, projection name)``."""
+    """The adapters of one forward pass.
 
-    groups: tuple[tuple[Rows, dict[tuple[int, str], Delta]], ...]
+    Attributes:
+        stacks: The runner's stacks, by ``(layer, projection name)``.
+        groups: Each adapter's rows and slot (the per-adapter path), or ``()``.
+        masks: Rows per slot → ``[rows, slots * rank]``, 1 where a row's adapter owns
+            the column (the masked path), or ``None``.
+    """
+
+    stacks: Mapping[tuple[int, str], Stack]
+    groups: tuple[tuple[Rows, int], ...] = ()
+    masks: Mapping[int, torch.Tensor] | None = None
 
 
 _STEP: contextvars.ContextVar[LoRAStep | None] = contextvars.ContextVar(
@@ -74,7 +99,7 @@ class LoRAProjection(nn.Module):
 
     Args:
         base: The projection (``nn.Linear``, a packed oneDNN one, or a row-parallel one).
-        key: ``(layer, name)`` of the projection in the slots' updates.
+        key: ``(layer, name)`` of the projection in the slots' stacks.
     """
 
     def __init__(self, base: nn.Module, key: tuple[int, str]) -> None:
@@ -82,20 +107,23 @@ class LoRAProjection(nn.Module):
         self.base = base
         self.key = key
         self._row_parallel = isinstance(base, RowParallelLinear)
+        self._linear = type(base) is nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        step = _STEP.get()
         base = self.base
         if self._row_parallel:
             assert isinstance(base, RowParallelLinear)
             out = F.linear(x, base.weight)
+        elif self._linear:
+            assert isinstance(base, nn.Linear)
+            out = F.linear(x, base.weight, base.bias)
         else:
             out = base(x)
-        if step is not None:
-            for rows, deltas in step.groups:
-                delta = deltas.get(self.key)
-                if delta is not None:
-                    _add_update(out, x, rows, delta)
+        step = _STEP.get()
+        stack = None if step is None else step.stacks.get(self.key)
+        if stack is not None:
+            assert step is not None
+            _add_updates(out, x, stack, step)
         if self._row_parallel:
             assert isinstance(base, RowParallelLinear)
             out = base.tp.reduce(out)
@@ -107,15 +135,18 @@ class LoRAProjection(nn.Module):
         return f"layer={self.key[0]}, {self.key[1]}"
 
 
-def _add_update(out: torch.Tensor, x: torch.Tensor, rows: Rows, delta: Delta) -> None:
-    xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-    h = xs @ delta.a.t()
-    for c0, c1, r0, r1, b in delta.parts:
-        d = h[:, r0:r1] @ b.t()
+def _add_updates(out: torch.Tensor, x: torch.Tensor, stack: Stack, step: LoRAStep) -> None:
+    if step.masks is not None:
+        h = (x @ stack.a.t()).mul_(step.masks[stack.rank])
+        out.addmm_(h, stack.b)
+        return
+    r = stack.rank
+    for rows, slot in step.groups:
+        a, b = stack.a[slot * r : (slot + 1) * r], stack.b[slot * r : (slot + 1) * r]
         if isinstance(rows, slice):
-            out[rows, c0:c1] += d
+            out[rows].addmm_(x[rows] @ a.t(), b)
         else:
-            out[:, c0:c1].index_add_(0, rows, d)
+            out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b)
 
 
 def attach_lora(model: nn.Module) -> int:
@@ -156,13 +187,15 @@ def lora_step(step: LoRAStep | None) -> Iterator[None]:
 
 
 class LoRASlots:
-    """A runner's adapters: ``max_loras`` slots, least recently used out first.
+    """A runner's adapters: ``max_loras`` slots, least recently used out first, held
+    as one :class:`Stack` per projection an adapter targets.
 
     Args:
         config: The base model's configuration (the adapters are checked against it).
         tp: How the model is sharded (the updates are split as the weights are).
         max_loras: Slots.
-        max_rank: Largest rank accepted (``max_lora_rank``).
+        max_rank: Largest rank accepted (``max_lora_rank``); each part of a stack
+            takes that many rows per slot.
         dtype: The model's dtype; updates are applied in it.
         device: Where the model is.
 
@@ -185,9 +218,11 @@ class LoRASlots:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self._slots: OrderedDict[str, dict[tuple[int, str], Delta]] = OrderedDict()
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # content id → slot, LRU first
+        self._stacks: dict[tuple[int, str], Stack] = {}
         self._fused: dict[str, str] = {}  # a packed part → the packed projection
         self._shapes = lora_shapes(config)
+        self._columns: dict[int, torch.Tensor] = {}  # rows per slot → each column's slot
 
     def attach(self, model: nn.Module) -> None:
         """Wrap ``model``'s projections (:func:`attach_lora`) and learn which of them
@@ -228,76 +263,96 @@ class LoRASlots:
                 "lora_request", sorted(a.name for a in adapters.values()),
                 f"a step may hold at most max_loras={self.max_loras} adapters",
             )  # fmt: skip
+        slots = {key: self._load(adapters[key], keep=runs.keys()) for key in runs}
+        if len(runs) > 1 and row * self.max_loras <= DENSE_MAX_ROWS_X_SLOTS:
+            return LoRAStep(self._stacks, masks=self._masks(runs, slots, row))
         groups = []
         for key, spans in runs.items():
-            deltas = self._load(adapters[key], keep=runs.keys())
             rows: Rows
             if len(spans) == 1:
                 rows = slice(*spans[0])
             else:
                 rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(self.device)
-            groups.append((rows, deltas))
-        return LoRAStep(tuple(groups))
+            groups.append((rows, slots[key]))
+        return LoRAStep(self._stacks, groups=tuple(groups))
 
-    def _load(self, adapter: LoRAAdapter, keep: Collection[str]) -> dict[tuple[int, str], Delta]:
-        """``adapter``'s updates, from its slot or loaded into the least recently used
-        slot whose adapter is not in ``keep`` (the step's)."""
+    def _masks(
+        self, runs: Mapping[str, list[tuple[int, int]]], slots: Mapping[str, int], n: int
+    ) -> dict[int, torch.Tensor]:
+        """Rows per slot → which columns of the stacks each of the ``n`` rows takes."""
+        owner = torch.full((n,), -1, dtype=torch.long)
+        for key, spans in runs.items():
+            for a, b in spans:
+                owner[a:b] = slots[key]
+        owner = owner.to(self.device)
+        masks = {}
+        for rank in {stack.rank for stack in self._stacks.values()}:
+            columns = self._columns.get(rank)
+            if columns is None:
+                columns = torch.arange(self.max_loras, device=self.device)
+                columns = self._columns[rank] = columns.repeat_interleave(rank)
+            masks[rank] = (owner[:, None] == columns[None, :]).to(self.dtype)
+        return masks
+
+    def _load(self, adapter: LoRAAdapter, keep: Collection[str]) -> int:
+        """``adapter``'s slot: the one it has, or the least recently used one whose
+        adapter is not in ``keep`` (the step's), written with its updates."""
         key = adapter.content_id
-        deltas = self._slots.get(key)
-        if deltas is not None:
-            self._slots.move_to_end(key)
-            return deltas
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._slot_of.move_to_end(key)
+            return slot
         weights = cached_adapter(adapter, self.config, max_rank=self.max_rank)
-        while len(self._slots) >= self.max_loras:
-            victim = next(k for k in self._slots if k not in keep)
-            del self._slots[victim]
-        deltas = self._deltas(weights.tensors, weights.targets, weights.scaling)
-        self._slots[key] = deltas
-        return deltas
+        taken = set(self._slot_of.values())
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(k for k in self._slot_of if k not in keep)
+            slot = self._slot_of.pop(victim)
+        self._write(slot, weights.tensors, weights.targets, weights.scaling)
+        self._slot_of[key] = slot
+        return slot
 
-    def _deltas(
+    def _write(
         self,
+        slot: int,
         tensors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
         targets: tuple[str, ...],
         scaling: float,
-    ) -> dict[tuple[int, str], Delta]:
-        """Each wrapped projection's update: its targeted parts' ``A`` stacked, ``B``
-        scaled, both split as this rank's weight is, in the model's dtype."""
-        grouped: dict[str, list[str]] = {}
-        for target in targets:
-            grouped.setdefault(self._fused.get(target, target), []).append(target)
-        return {
-            (layer, name): self._delta(
-                tensors, layer, PACKED_TARGETS.get(name, (name,)), chosen, scaling
-            )
-            for layer in range(self.config.num_hidden_layers)
-            for name, chosen in grouped.items()
-        }
+    ) -> None:
+        """Put an adapter's updates in ``slot`` of every stack (zero where it has none):
+        its parts' ``A`` and scaled ``B``, split as this rank's weights are, in the
+        model's dtype."""
+        for stack in self._stacks.values():
+            stack.a[slot * stack.rank : (slot + 1) * stack.rank].zero_()
+            stack.b[slot * stack.rank : (slot + 1) * stack.rank].zero_()
+        for layer in range(self.config.num_hidden_layers):
+            for target in targets:
+                name = self._fused.get(target, target)
+                parts = PACKED_TARGETS.get(name, (name,))
+                a, b = self._shard(layer, target, *tensors[layer, target])
+                stack = self._stack(layer, name, parts, a.shape[1])
+                index = parts.index(target)
+                row = slot * stack.rank + index * self.max_rank
+                column = sum(self._width(layer, p) for p in parts[:index])
+                r, width = a.shape[0], b.shape[0]
+                stack.a[row : row + r] = a.to(self.device, self.dtype)
+                b_t = (b * scaling).t().to(self.device, self.dtype)
+                stack.b[row : row + r, column : column + width] = b_t
 
-    def _delta(
-        self,
-        tensors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-        layer: int,
-        parts: tuple[str, ...],
-        chosen: list[str],
-        scaling: float,
-    ) -> Delta:
-        a_parts: list[torch.Tensor] = []
-        pieces: list[tuple[int, int, int, int, torch.Tensor]] = []
-        column = rank_row = 0
-        for part in parts:
-            width = self._width(layer, part)
-            if part in chosen:
-                a, b = tensors[layer, part]
-                a, b = self._shard(layer, part, a, b)
-                a_parts.append(a)
-                b = (b * scaling).to(self.device, self.dtype)
-                r = a.shape[0]
-                pieces.append((column, column + width, rank_row, rank_row + r, b))
-                rank_row += r
-            column += width
-        a_all = torch.cat(a_parts).to(self.device, self.dtype)
-        return Delta(a_all, tuple(pieces))
+    def _stack(self, layer: int, name: str, parts: tuple[str, ...], fan_in: int) -> Stack:
+        """The stack of ``(layer, name)``, allocated (zero) the first time."""
+        stack = self._stacks.get((layer, name))
+        if stack is None:
+            rank = self.max_rank * len(parts)
+            fan_out = sum(self._width(layer, p) for p in parts)
+            zeros = functools.partial(torch.zeros, device=self.device, dtype=self.dtype)
+            stack = Stack(
+                zeros(self.max_loras * rank, fan_in), zeros(self.max_loras * rank, fan_out), rank
+            )
+            self._stacks[layer, name] = stack
+        return stack
 
     def _width(self, layer: int, part: str) -> int:
         """This rank's output width of ``part``."""
