@@ -7,10 +7,10 @@ process (another Ray cluster, shut down) leaves state behind.
 Connects to the cluster at ``ADDRESS``, runs an engine over two ranks with
 ``ray_placement_strategy="STRICT_SPREAD"`` on the prompts of the multiproc tests, and
 prints one JSON object, after ``RESULT`` on its line: ``tokens`` — the greedy tokens
-and the nodes of the ranks' bundles; ``kill`` — SIGKILLs the raylet of the node with resource ``b`` once every
-stream has tokens, and reports which streams raised ``EngineDeadError`` and how long
-after the kill the last one did; ``nodes`` — the resources (``a``, ``b``) of the alive
-nodes.
+and the node of each rank's bundle; ``kill`` — SIGKILLs the raylet of the node with
+resource ``b`` once every stream has tokens, and reports which streams raised
+``EngineDeadError`` and how long after the kill the last one did; ``nodes`` — the
+resources (``a``, ``b``) of the alive nodes.
 """
 
 from __future__ import annotations
