@@ -25,7 +25,7 @@ Not thread-safe: owned by one :class:`~stages.model.runner.ModelRunner`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 import torch
@@ -110,7 +110,7 @@ class DecodeMirror:
         slot = self._slot.get(req_id)
         return None if slot is None else self._lens[slot]
 
-    def drop(self, req_ids: Sequence[str] | frozenset[str] | set[str]) -> None:
+    def drop(self, req_ids: Iterable[str]) -> None:
         """Free the slots of ``req_ids`` (unknown ids are ignored)."""
         for req_id in req_ids:
             if req_id in self._slot:
@@ -139,7 +139,7 @@ class DecodeMirror:
     def step(
         self,
         requests: Sequence[ScheduledRequest],
-        tables: dict[str, list[int]] | object,
+        tables: Mapping[str, Sequence[int]],
         token_rows: torch.Tensor,
     ) -> MirrorStep | None:
         """Make the slots ``0..n-1`` those of the decode ``requests`` (one new token
@@ -180,7 +180,7 @@ class DecodeMirror:
             slot = self._slot[r.req_id]
             order[slot] = i
             identity = identity and slot == i
-            table = tables[r.req_id]  # type: ignore[index]
+            table = tables[r.req_id]
             held, ctx = self._lens[slot], r.num_computed_tokens
             base = slot * cap
             for pos in range(held, ctx + 1):
