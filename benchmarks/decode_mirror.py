@@ -6,6 +6,10 @@ one with ``decode_mirror`` and one without, prefill the same ``batch`` requests 
 a shared machine's drift. Prints the best and median step time of each and the ratio.
 
     python benchmarks/decode_mirror.py [--dtype bfloat16] [--batch 64] [--rounds 6]
+
+AMX Xeon, 2 shared cores, 4 rounds of 4 steps, best (median) on/off: bfloat16 batch 64
+0.93 (0.95), 8 0.86 (0.90), 1 0.99 (0.99); float32 batch 64 0.36 (0.34), 8 0.76 (0.83),
+1 0.95 (0.95).
 """
 
 from __future__ import annotations
