@@ -321,6 +321,14 @@ class EngineConfig:
         max_loras: Most adapters in one step (each worker holds that many, least
             recently used out first); a request whose adapter would be one more waits.
         max_lora_rank: Largest adapter rank accepted (at most 512).
+        decode_mirror: On a CPU without CUDA graphs, each worker keeps its decode
+            requests' keys and values in contiguous per-request rows as well, appended
+            one token a step, so decode attention no longer gathers every request's
+            blocks each layer (:mod:`stages.model.decode_mirror`); the paged cache stays
+            the source of truth.
+        decode_mirror_memory_bytes: Most bytes that copy may take per worker; a step
+            that needs more gathers from the paged cache (logged once, counted).
+            ``None``: the paged cache's own size.
         scheduling_policy: ``"fcfs"`` (the default: waiting requests start in arrival
             order) or ``"priority"`` (vLLM's ``--scheduling-policy priority``: by each
             request's ``priority``, lower first, ties by arrival; a running request of a
@@ -382,6 +390,8 @@ class EngineConfig:
     enable_lora: bool = attrs.field(default=False, validator=_bool)
     max_loras: int = attrs.field(default=1, validator=_positive)
     max_lora_rank: int = attrs.field(default=16, validator=_lora_rank)
+    decode_mirror: bool = attrs.field(default=True, validator=_bool)
+    decode_mirror_memory_bytes: int | None = attrs.field(default=None, validator=_optional_positive)
     scheduling_policy: str = attrs.field(default="fcfs", validator=_choice(SCHEDULING_POLICIES))
     tenant_fair_share: bool = attrs.field(default=False, validator=_bool)
 

@@ -16,11 +16,15 @@ blocks, prefix caching and connectors are those of a full layer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from stages.model.decode_mirror import MirrorStep
 
 __all__ = [
     "AttentionMetadata",
@@ -51,6 +55,10 @@ class DecodeBatch:
             ``None`` when ``seq_len`` is set.
         key_start: The first key attended to when ``seq_len`` is set (keys
             ``[key_start, seq_len)``): 0, or where a sliding window starts.
+        mirror: Where these requests' keys and values are held contiguously
+            (:class:`~stages.model.decode_mirror.DecodeMirror`): each layer copies in the
+            positions a slot lacks and attends over the mirror instead of gathering
+            blocks; ``None``: gather. Then ``paged_attention`` needs its ``layer``.
     """
 
     token_rows: torch.Tensor
@@ -59,6 +67,7 @@ class DecodeBatch:
     seq_len: int | None
     mask: torch.Tensor | None
     key_start: int = 0
+    mirror: MirrorStep | None = None
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -256,6 +265,7 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    layer: int = 0,
 ) -> torch.Tensor:
     """Write the new K/V into ``kv_cache``, then attend every query to its context.
 
@@ -266,6 +276,7 @@ def paged_attention(
         kv_cache: This layer's cache ``[2, num_blocks, block_size, kv_heads, head_dim]``.
         meta: The step's metadata.
         scale: Softmax scale (``head_dim ** -0.5`` for Llama).
+        layer: The layer's index (its buffers of ``meta.decode.mirror``).
 
     Returns:
         ``[T, heads, head_dim]``. Each query sees its request's cached context plus the
@@ -276,7 +287,10 @@ def paged_attention(
     kv_heads = key.shape[1]
     out = torch.empty_like(query)
     if meta.decode is not None:
-        _decode(query, kv_cache, meta.decode, out, scale, kv_heads, num_heads)
+        if meta.decode.mirror is None:
+            _decode(query, kv_cache, meta.decode, out, scale, kv_heads, num_heads)
+        else:
+            _decode_mirrored(query, kv_cache, meta.decode, out, scale, layer, num_heads)
     for chunk in meta.prefills:
         q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         if chunk.block_ids is None:
@@ -328,6 +342,54 @@ def _decode(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)
     o = o.reshape(n, num_heads, head_dim)
     if first is not None:
+        out[first : first + n] = o
+    else:
+        out.index_copy_(0, batch.token_rows, o)
+
+
+def _decode_mirrored(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: DecodeBatch,
+    out: torch.Tensor,
+    scale: float,
+    layer: int,
+    num_heads: int,
+) -> None:
+    """:func:`_decode` over the mirror's slots: the same keys, in the same order, of the
+    same count (``[key_start, seq_len)`` or the mask's span), so the same sums."""
+    mirror = batch.mirror
+    assert mirror is not None
+    kv_heads, head_dim = kv_cache.shape[-2:]
+    keys, values = mirror.keys[layer], mirror.values[layer]
+    # The positions each slot lacks (the new token at least), from the paged cache.
+    for buf, paged in ((keys, kv_cache[0]), (values, kv_cache[1])):
+        rows = paged.view(-1, kv_heads, head_dim).index_select(0, mirror.src)
+        buf.view(-1, kv_heads, head_dim).index_copy_(0, mirror.dst, rows)
+    n = batch.token_rows.shape[0]
+    first = batch.first_row
+    q = query[first : first + n] if first is not None else query.index_select(0, batch.token_rows)
+    mask = batch.mask
+    if mirror.order is not None:  # decode rows into slot order
+        q = q.index_select(0, mirror.order)
+        mask = None if mask is None else mask.index_select(0, mirror.order)
+    if batch.seq_len is not None:
+        start, end = batch.key_start, batch.seq_len
+        k = keys[:n, start:end].transpose(1, 2)
+        v = values[:n, start:end].transpose(1, 2)
+        q = q.view(n, num_heads, 1, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=kv_heads != num_heads)
+    else:
+        assert mask is not None
+        span = mask.shape[-1]
+        k = keys[:n, :span].transpose(1, 2)
+        v = values[:n, :span].transpose(1, 2)
+        q = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    o = o.reshape(n, num_heads, head_dim)
+    if mirror.rows is not None:
+        out.index_copy_(0, mirror.rows, o)
+    elif first is not None:
         out[first : first + n] = o
     else:
         out.index_copy_(0, batch.token_rows, o)

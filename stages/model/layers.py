@@ -211,7 +211,7 @@ def attend(
     v = v_x.view(t, kv_heads, head_dim)
     if hooks is not None:
         hooks.before_attention(layer)
-    o = paged_attention(q, k, v, kv_cache, meta, scale)
+    o = paged_attention(q, k, v, kv_cache, meta, scale, layer)
     if hooks is not None:
         hooks.after_attention(layer)
     return _onto(o_p, o.view(t, heads * head_dim), residual)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import attrs
 import torch
 
 from connectors.base import ForwardContext, KVConnectorWorker, ModelFingerprint
@@ -19,10 +20,12 @@ from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.device_sync import DeviceSync, make_device_sync
 from pipeline.errors import StageError
 from pipeline.logits import Logits
+from stages.model.attention import AttentionMetadata
 from stages.model.compute_thread import Compute, make_compute
 from stages.model.config import ModelConfig
 from stages.model.connector_hooks import ConnectorHooks
 from stages.model.cuda_graphs import DecodeGraphs
+from stages.model.decode_mirror import DecodeMirror
 from stages.model.inputs import RequestStates
 from stages.model.kv_cache import allocate_kv_caches, local_kv_heads
 from stages.model.lora import LoRASlots, lora_step
@@ -117,6 +120,21 @@ class ModelRunner:
             if parts.graph_capture is not None
             else None
         )
+        self._mirror: DecodeMirror | None = None
+        if settings.decode_mirror and self.device.type == "cpu" and self._graphs is None:
+            kv = self.kv_caches[0]
+            budget = settings.decode_mirror_memory_bytes
+            if budget is None:  # as much as the paged cache itself
+                budget = sum(c.numel() * c.element_size() for c in self.kv_caches)
+            self._mirror = DecodeMirror(
+                num_layers=len(self.kv_caches),
+                kv_heads=kv.shape[-2],
+                head_dim=kv.shape[-1],
+                block_size=self.block_size,
+                dtype=kv.dtype,
+                device=self.device,
+                budget_bytes=budget,
+            )
         self._lora: LoRASlots | None = None
         if settings.enable_lora:
             self._lora = LoRASlots(
@@ -233,6 +251,8 @@ class ModelRunner:
             raise StageError("forward", scheduler_output.step_id, "the model runner is closed")
         self._states.drop(scheduler_output.finished_req_ids)
         self._sampling.drop(scheduler_output.finished_req_ids)
+        if self._mirror is not None:
+            self._mirror.drop(scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
             empty = torch.empty(0, self.model_config.vocab_size, device=self.device)
             return ModelOutput(req_ids=(), logits=empty, num_tokens=0)
@@ -244,15 +264,22 @@ class ModelRunner:
             if output is not None:
                 return output
         batch = self._states.prepare(scheduler_output, self.device)
+        meta = batch.attn_meta
+        if self._mirror is not None:
+            meta = self._mirrored(scheduler_output, meta)
         hooks = None
         if connector is not None:
             hooks = ConnectorHooks(
                 connector, self.kv_caches, self.forward_context(scheduler_output)
             )
         with torch.inference_mode(), self.device_sync.compute_stream(), lora_step(lora):
-            meta = batch.attn_meta
             rope_rows = meta.positions if batch.rope_rows is None else batch.rope_rows
-            hidden = self.model(batch.input_ids, rope_rows, meta, self.kv_caches, hooks)
+            try:
+                hidden = self.model(batch.input_ids, rope_rows, meta, self.kv_caches, hooks)
+            except BaseException:
+                if self._mirror is not None:  # some layers' slots may lack the step's token
+                    self._mirror.clear()
+                raise
             parts = [r for r in (batch.sample_rows, batch.prompt_rows, batch.draft_rows)
                      if r is not None]  # fmt: skip
             rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # one lm_head (a collective)
@@ -269,6 +296,26 @@ class ModelRunner:
             draft_logits=None if batch.draft_rows is None else logits[p:],
             save_error=None if hooks is None else hooks.save_error,
         )
+
+    def _mirrored(
+        self, scheduler_output: SchedulerOutput, meta: AttentionMetadata
+    ) -> AttentionMetadata:
+        """``meta`` whose decode batch attends over the mirror (when it fits its budget)."""
+        assert self._mirror is not None
+        requests = scheduler_output.requests
+        self._mirror.observe(requests)
+        if meta.decode is None:
+            return meta
+        decode = [r for r in requests if r.num_scheduled_tokens == 1]
+        step = self._mirror.step(decode, self._states.tables, meta.decode.token_rows)
+        if step is None:
+            return meta
+        return attrs.evolve(meta, decode=attrs.evolve(meta.decode, mirror=step))
+
+    @property
+    def decode_mirror(self) -> DecodeMirror | None:
+        """The decode requests' contiguous KV (``settings.decode_mirror``), or ``None``."""
+        return self._mirror
 
     def _replay(self, scheduler_output: SchedulerOutput) -> ModelOutput | None:
         """A decode-only step through a captured graph, or ``None`` (run it eagerly)."""
@@ -319,6 +366,8 @@ class ModelRunner:
         req_ids = list(req_ids)
         self._states.drop(req_ids)
         self._sampling.drop(req_ids)
+        if self._mirror is not None:
+            self._mirror.drop(req_ids)
 
     @property
     def decode_graphs(self) -> DecodeGraphs | None:
@@ -344,6 +393,8 @@ class ModelRunner:
         self._closed = True
         self._states.clear()
         self._sampling.clear()
+        if self._mirror is not None:
+            self._mirror.clear()
         self._graphs = None  # they hold the cache
         self.kv_caches = []
         if self._owns_compute:

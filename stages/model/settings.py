@@ -56,6 +56,10 @@ class RunnerSettings:
         enable_lora: Apply requests' LoRA adapters (:mod:`stages.model.lora`).
         max_loras: Adapters the runner holds at once (a step has at most that many).
         max_lora_rank: Largest adapter rank accepted.
+        decode_mirror: On a CPU without CUDA graphs, keep the decode requests' keys and
+            values contiguous too (:mod:`~stages.model.decode_mirror`).
+        decode_mirror_memory_bytes: Most bytes that copy takes (all layers); ``None``:
+            the paged cache's own size.
 
     Raises:
         InvalidConfigError: A size that is not a positive integer, naming the field.
@@ -80,6 +84,8 @@ class RunnerSettings:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    decode_mirror: bool = True
+    decode_mirror_memory_bytes: int | None = None
 
     def __attrs_post_init__(self) -> None:
         for name in _POSITIVE:
@@ -87,7 +93,15 @@ class RunnerSettings:
         check_int("num_blocks", self.num_blocks, InvalidConfigError, lo=1, optional=True)
         name, value = "inline_forward_below_s", self.inline_forward_below_s
         check_float(name, value, InvalidConfigError, lo=0.0, hi=MAX_INLINE_FORWARD_BELOW_S)
-        for name in ("inline_forward", "cuda_graphs", "keep_freed_memory", "enable_lora"):
+        check_int(
+            "decode_mirror_memory_bytes",
+            self.decode_mirror_memory_bytes,
+            InvalidConfigError,
+            lo=0,
+            optional=True,
+        )
+        for name in ("inline_forward", "cuda_graphs", "keep_freed_memory", "enable_lora",
+                     "decode_mirror"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(name, getattr(self, name), "must be a bool")
         if self.cuda_graphs and self.world_size != 1:
