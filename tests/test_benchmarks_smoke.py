@@ -122,6 +122,16 @@ TINY_ARGS = {
         "--rounds",
         "1",
     ],
+    "decode_mirror.py": [
+        "--dtypes",
+        "float32",
+        "--batches",
+        "2",
+        "--rounds",
+        "2",
+        "--steps",
+        "1",
+    ],
     "lora.py": [
         "--model",
         "builtin:tiny",
