@@ -11,7 +11,10 @@ a shared machine's drift. Prints the best and median step time of each and the r
 Prints a table (one row per dtype and batch); JSON: ``benchmarks/results/decode_mirror.json``.
 
 AMX Xeon, 2 cores, best (median) on/off: bfloat16 batch 64 0.84 (0.91), 8 0.86 (0.90),
-1 0.99 (0.99); float32 batch 64 0.36 (0.24), 8 0.76 (0.83), 1 0.95 (0.95).
+1 0.99 (0.99); float32 batch 64 0.36 (0.24), 8 0.76 (0.83), 1 0.95 (0.95) (mirror then
+position-major). AMD EPYC (AVX512-BF16, no AMX), 2 cores, head-major mirror: bfloat16
+batch 64 0.59 (0.55; 24.5 vs 41.4 ms), 8 0.99 (1.01), 1 1.04 (1.04); float32 batch 64
+0.29 (0.28), 8 0.82 (0.85), 1 1.01 (1.00).
 """
 
 from __future__ import annotations

@@ -362,7 +362,7 @@ def _decode_mirrored(
     # The positions each slot lacks (the new token at least), from the paged cache.
     for buf, paged in ((keys, kv_cache[0]), (values, kv_cache[1])):
         rows = paged.view(-1, kv_heads, head_dim).index_select(0, mirror.src)
-        buf.view(-1, kv_heads, head_dim).index_copy_(0, mirror.dst, rows)
+        buf.view(-1, head_dim).index_copy_(0, mirror.dst, rows.view(-1, head_dim))
     n = batch.token_rows.shape[0]
     first = batch.first_row
     q = query[first : first + n] if first is not None else query.index_select(0, batch.token_rows)
@@ -375,8 +375,7 @@ def _decode_mirrored(
     else:
         assert mask is not None
         start, end = 0, mask.shape[-1]
-    k = keys[:n, start:end].transpose(1, 2)
-    v = values[:n, start:end].transpose(1, 2)
+    k, v = keys[:n, :, start:end], values[:n, :, start:end]
     q = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     o = o.reshape(n, num_heads, head_dim)

@@ -2,11 +2,13 @@
 
 Decode attention over the paged cache gathers every request's blocks (``index_select``
 over the block table) in every layer of every step, about half of a CPU decode step's
-attention. :class:`DecodeMirror` keeps, per layer, K and V buffers ``[slots, L, kv_heads,
+attention. :class:`DecodeMirror` keeps, per layer, K and V buffers ``[slots, kv_heads, L,
 head_dim]`` in which each decode request owns one slot (a row) holding its positions
 ``[0, length)``; a step then copies only the positions a slot lacks (in steady decoding:
-the new token) and attends over ``mirror[:n, :span]`` (:func:`~stages.model.attention.
-paged_attention` with ``DecodeBatch.mirror``).
+the new token) and attends over ``mirror[:n, :, :span]`` (:func:`~stages.model.attention.
+paged_attention` with ``DecodeBatch.mirror``). Head-major, so that each head's keys are
+contiguous: torch's CPU attention kernel reads them 1.6-1.8x faster than with the
+paged cache's position-major rows (bfloat16, 8 to 64 requests of 450-530 keys).
 
 The paged cache stays the source of truth; the mirror is a cache of it:
 
@@ -43,11 +45,13 @@ class MirrorStep:
     """What one step's decode attention reads from the mirror, per layer.
 
     Attributes:
-        keys: Per layer ``[slots, L, kv_heads, head_dim]`` (slot ``s`` holds positions
+        keys: Per layer ``[slots, kv_heads, L, head_dim]`` (slot ``s`` holds positions
             ``[0, L)`` of its request, valid up to its length).
         values: Likewise.
         src: ``[C]`` paged-cache slots (``block * block_size + offset``) to copy in...
-        dst: ``[C]`` ...to these rows of the flattened buffer (``slot * L + position``).
+        dst: ``[C * kv_heads]`` ...each head of them to these rows of the buffer
+            flattened to ``[slots * kv_heads * L, head_dim]`` (``(slot * kv_heads + head)
+            * L + position``).
         order: ``[n]`` the decode-batch row of each slot, or ``None`` when slot ``s`` is row
             ``s``.
         rows: ``[n]`` the flat-batch row of each slot's query (``token_rows[order]``), or
@@ -173,7 +177,7 @@ class DecodeMirror:
                 self._lens.append(0)
         cap = self._len_cap
         src: list[int] = []
-        dst: list[int] = []
+        dst: list[int] = []  # head 0's row; head h's is h * cap further
         order = [0] * n
         identity = True
         for i, r in enumerate(requests):
@@ -182,18 +186,20 @@ class DecodeMirror:
             identity = identity and slot == i
             table = tables[r.req_id]
             held, ctx = self._lens[slot], r.num_computed_tokens
-            base = slot * cap
+            base = slot * self.kv_heads * cap
             for pos in range(held, ctx + 1):
                 src.append(table[pos // bs] * bs + pos % bs)
                 dst.append(base + pos)
             self._lens[slot] = ctx + 1
         device = self.device
         order_t = None if identity else torch.tensor(order, device=device)
+        heads = torch.arange(self.kv_heads, dtype=torch.int64, device=device) * cap
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=device)
         return MirrorStep(
             keys=self._keys,
             values=self._values,
             src=torch.tensor(src, dtype=torch.int64, device=device),
-            dst=torch.tensor(dst, dtype=torch.int64, device=device),
+            dst=(dst_t[:, None] + heads[None, :]).view(-1),
             order=order_t,
             rows=None if order_t is None else token_rows.index_select(0, order_t),
         )
@@ -219,15 +225,15 @@ class DecodeMirror:
             slots, length = n, span  # exactly what this step needs, no doubling
             if self._bytes(slots, length) > self.budget_bytes:
                 return False
-        shape = (slots, length, self.kv_heads, self.head_dim)
+        shape = (slots, self.kv_heads, length, self.head_dim)
         # Slots 0..keep-1 (at most n: the others left) hold fewer than span positions.
         keep, held = len(self._ids), min(self._len_cap, length)
         keys, values = [], []
         for old_k, old_v in zip(self._keys, self._values, strict=True) if keep else ():
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            k[:keep, :held] = old_k[:keep, :held]
-            v[:keep, :held] = old_v[:keep, :held]
+            k[:keep, :, :held] = old_k[:keep, :, :held]
+            v[:keep, :, :held] = old_v[:keep, :, :held]
             keys.append(k)
             values.append(v)
         if not keep:
@@ -248,8 +254,8 @@ class DecodeMirror:
             moved = self._ids[last]
             held = self._lens[last]
             for k, v in zip(self._keys, self._values, strict=True):
-                k[slot, :held] = k[last, :held]
-                v[slot, :held] = v[last, :held]
+                k[slot, :, :held] = k[last, :, :held]
+                v[slot, :, :held] = v[last, :, :held]
             self._ids[slot], self._lens[slot] = moved, held
             self._slot[moved] = slot
         self._ids.pop()
