@@ -207,7 +207,9 @@ class EngineConfig:
     Attributes:
         model: A local Hugging Face directory (``config.json`` + ``*.safetensors``) or
             ``"builtin:tiny"``.
-        dtype: ``"auto"`` picks bfloat16 on CUDA and float32 on CPU.
+        dtype: ``"auto"`` picks bfloat16 on CUDA; on the CPU, bfloat16 for a checkpoint
+            saved in bfloat16 when the CPU has native bfloat16 (AVX512-BF16 or AMX),
+            else float32.
         device: ``"auto"`` picks CUDA when available, else CPU.
         block_size: Tokens per KV block.
         num_gpu_blocks: KV blocks per rank; ``None`` sizes the cache for

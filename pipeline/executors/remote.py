@@ -81,7 +81,7 @@ def _shm_slot_bytes(config: EngineConfig) -> int:
     import torch
 
     model = load_model_config(resolve_model_path(config.model))
-    elem = resolve_dtype(config.dtype, torch.device("cpu")).itemsize
+    elem = resolve_dtype(config.dtype, torch.device("cpu"), model.torch_dtype).itemsize
     return slot_bytes(config.max_num_batched_tokens, model.hidden_size, elem)
 
 

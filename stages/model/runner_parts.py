@@ -29,7 +29,14 @@ from stages.model.linear_kernels import apply_kernel, choose_kernel
 from stages.model.parallel import UNSHARDED, TensorParallel, check_tp_divisible
 from stages.model.settings import RunnerSettings
 
-__all__ = ["RunnerParts", "SharedWeights", "load_parts", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "RunnerParts",
+    "SharedWeights",
+    "cpu_has_native_bf16",
+    "load_parts",
+    "resolve_device",
+    "resolve_dtype",
+]
 
 log = get_logger()
 
@@ -53,14 +60,30 @@ def resolve_device(device: str) -> torch.device:
     raise InvalidConfigError("device", device, "must be auto, cpu, cuda or cuda:N")
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``"auto"`` (bfloat16 on CUDA, float32 on CPU) or a name of :data:`_DTYPES`.
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU does bfloat16 arithmetic in hardware (AVX512-BF16 or AMX), where a
+    bfloat16 model runs faster than in float32; elsewhere torch emulates it, slower."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_dtype(
+    dtype: str, device: torch.device, checkpoint_dtype: str | None = None
+) -> torch.dtype:
+    """``"auto"`` or a name of :data:`_DTYPES`.
+
+    ``"auto"`` is bfloat16 on CUDA. On the CPU it is bfloat16 for a checkpoint saved in
+    bfloat16 (``checkpoint_dtype``, the config's ``torch_dtype``) when the CPU has native
+    bfloat16 arithmetic (:func:`cpu_has_native_bf16`), and float32 otherwise: a float32
+    checkpoint keeps its float32 tokens, and without the hardware bfloat16 is slower.
 
     Raises:
         InvalidConfigError: Any other name.
     """
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        native = checkpoint_dtype == "bfloat16" and cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     if dtype not in _DTYPES:
         raise InvalidConfigError("dtype", dtype, f"must be auto or one of {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
@@ -204,16 +227,16 @@ def load_parts(
     if dev.type == "cpu" and settings.keep_freed_memory:
         log.info("cpu_allocator", keeps_freed_memory=keep_freed_memory())
     capture = cuda_graphs.graph_capture(dev) if settings.cuda_graphs else None  # before loading
-    torch_dtype = resolve_dtype(settings.dtype, dev)
     world_size, max_model_len = settings.world_size, settings.max_model_len
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InvalidConfigError("rank", rank, f"must be in [0, world_size={world_size})")
     tp = _check_tp(tp, rank, world_size, shared_model)
     path = resolve_model_path(settings.model)
+    config = load_model_config(path)
+    torch_dtype = resolve_dtype(settings.dtype, dev, config.torch_dtype)
     if shared_model is not None:
         loaded = _shared(shared_model, path, dev, torch_dtype, max_model_len)
     else:
-        config = load_model_config(path)
         config.check_max_model_len(max_model_len, path)
         check_tp_divisible(config, tp.size)
         if max_model_len > config.max_position_embeddings:

@@ -306,6 +306,43 @@ class TestExecute:
         assert out.dtype == torch.float32
         assert (out - ref).abs().max() < 0.1 * ref.abs().max()
 
+    @pytest.mark.parametrize("saved", ["bfloat16", "float32", None])
+    def test_auto_dtype_on_cpu(self, llama_dir: Path, tmp_path: Path, saved: str | None) -> None:
+        """``dtype="auto"`` on the CPU: bfloat16 only for a bfloat16 checkpoint on a CPU with
+        native bfloat16 arithmetic, float32 otherwise."""
+        import json
+        import shutil
+
+        from stages.model.runner_parts import cpu_has_native_bf16
+
+        path = tmp_path / "model"
+        shutil.copytree(llama_dir, path)
+        config = json.loads((path / "config.json").read_text())
+        config.pop("dtype", None)
+        config.pop("torch_dtype", None)
+        if saved is not None:
+            config["dtype"] = saved
+        (path / "config.json").write_text(json.dumps(config))
+        runner = ModelRunner.load(str(path), device="cpu", num_blocks=4, max_model_len=64)
+        try:
+            native = saved == "bfloat16" and cpu_has_native_bf16()
+            want = torch.bfloat16 if native else torch.float32
+            assert {t.dtype for t in runner.kv_caches} == {want}
+        finally:
+            runner.close()
+
+    def test_auto_dtype_without_native_bf16(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Where bfloat16 is emulated, a bfloat16 checkpoint runs in float32."""
+        from stages.model import runner_parts
+
+        cpu = torch.device("cpu")
+        monkeypatch.setattr(runner_parts, "cpu_has_native_bf16", lambda: False)
+        assert runner_parts.resolve_dtype("auto", cpu, "bfloat16") == torch.float32
+        monkeypatch.setattr(runner_parts, "cpu_has_native_bf16", lambda: True)
+        assert runner_parts.resolve_dtype("auto", cpu, "bfloat16") == torch.bfloat16
+        assert runner_parts.resolve_dtype("auto", cpu, "float32") == torch.float32
+        assert runner_parts.resolve_dtype("float32", cpu, "bfloat16") == torch.float32
+
     def test_sample(self, runner: ModelRunner) -> None:
         """sample() returns one greedy token per sampled request."""
         step = _step(0, _req("a", [5, 6, 7], blocks=(0,)), _req("b", [8], blocks=(1,)))
