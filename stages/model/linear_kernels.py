@@ -31,8 +31,10 @@ Candidates (:data:`KERNELS`):
 for tests and for measuring; a forced kernel this machine lacks is an
 :class:`~pipeline.errors.InvalidConfigError`. Only CPU models are touched, and only the
 decoder layers' plain projections (``q/k/v/o`` and ``gate/up/down``; a row-parallel
-projection, which all-reduces, and the ``lm_head``, which may be tied to the
-embeddings, stay as they are).
+projection, which all-reduces, stays as it is) and an untied ``lm_head`` (a tied one is
+the embedding matrix: packing it would keep a second copy). On an AMD EPYC (AVX512-BF16,
+2 cores) an 8192x512 head at one row took 211 us in bf16 and 586 us in fp32 on
+``F.linear``, 78 and 146 us prepacked.
 """
 
 from __future__ import annotations
@@ -304,7 +306,8 @@ def choose_kernel(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     if len(available) == 1:
         return KernelChoice(available[0])
     shapes: dict[tuple[int, int], int] = {}
-    for _, _, linear in _projections(model):
+    head = _untied_head(model)
+    for linear in [*(linear for _, _, linear in _projections(model)), *([head] if head else [])]:
         key = (linear.out_features, linear.in_features)
         shapes[key] = shapes.get(key, 0) + 1
     if not shapes:
@@ -321,7 +324,7 @@ def apply_kernel(model: nn.Module, kernel: str) -> int:
     MLP's ``gate/up`` as one :class:`FusedPackedLinear` (``qkv_proj``, ``gate_up_proj``;
     the original names become :class:`PackedPart` views) and replaces every other plain
     projection by a :class:`PackedLinear`, each expert of a mixture likewise (its gate/up
-    as ``gate_up``); the loaded weights are released.
+    as ``gate_up``), and an untied ``lm_head`` too; the loaded weights are released.
     Call before the first forward pass (the layers take their projections then).
     """
     if kernel == "mkl":
@@ -337,8 +340,22 @@ def apply_kernel(model: nn.Module, kernel: str) -> int:
                 changed += 1
     for moe in [m for m in model.modules() if isinstance(m, SparseMoE)]:
         changed += _pack_experts(moe)
+    head = _untied_head(model)
+    if head is not None:
+        model.lm_head = PackedLinear(head)
+        changed += 1
     forget_references(model)
     return changed
+
+
+def _untied_head(model: nn.Module) -> nn.Linear | None:
+    """``model.lm_head`` when it is a plain ``nn.Linear`` with its own weight (a tied one
+    is the embedding matrix)."""
+    head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    if type(head) is not nn.Linear or config is None or config.tie_word_embeddings:
+        return None
+    return head
 
 
 def _pack_experts(moe: SparseMoE) -> int:

@@ -186,10 +186,14 @@ class CausalLM(nn.Module):
 
         Vocab-parallel: a collective (every rank of the group calls it on the same rows).
         """
-        weight = self.lm_head.weight
-        if self._vocab_rows is not None:
-            weight = weight[self._vocab_rows]
-        logits = F.linear(hidden, weight)
+        head = self.lm_head
+        if type(head) is not nn.Linear:  # an untied head on another kernel (linear_kernels)
+            logits = head(hidden)
+        else:
+            weight = head.weight
+            if self._vocab_rows is not None:
+                weight = weight[self._vocab_rows]
+            logits = F.linear(hidden, weight)
         cap = self.config.final_logit_softcapping
         if cap is not None:  # in the weights' dtype, as transformers caps
             logits = torch.tanh(logits / cap) * cap

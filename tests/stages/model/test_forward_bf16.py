@@ -79,7 +79,8 @@ class TestBfloat16MatchesTransformers:
         )
         try:
             assert {t.dtype for t in runner.kv_caches} == {torch.bfloat16}
-            assert runner.model.lm_head.weight.dtype == torch.bfloat16
+            head = runner.model.lm_head  # its weight, or its prepacked weight (oneDNN)
+            assert {t.dtype for t in [*head.parameters(), *head.buffers()]} == {torch.bfloat16}
             hidden = torch.zeros(1, runner.model_config.hidden_size, dtype=torch.bfloat16)
             assert runner.model.compute_logits(hidden).dtype == torch.float32
         finally:

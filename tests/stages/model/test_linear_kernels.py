@@ -83,8 +83,11 @@ class TestFusedProjections:
                 for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                              "down_proj")
             }  # fmt: skip
+            loaded["lm_head"] = runner.model.lm_head.weight.numel()
             changed = lk.apply_kernel(runner.model, "onednn")
-            assert changed == 7 * len(layers)
+            assert not runner.model.config.tie_word_embeddings
+            assert changed == 7 * len(layers) + 1  # and the untied lm_head
+            assert isinstance(runner.model.lm_head, lk.PackedLinear)
             for layer in layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 assert isinstance(attn.qkv_proj, lk.FusedPackedLinear)
@@ -205,3 +208,25 @@ class TestEveryKernelKeepsTransformersResults:
         gen = torch.Generator().manual_seed(3)
         batches = [torch.randint(1, 256, (BATCH, n), generator=gen) for n in (7, 33)]
         assert kvstep_greedy(path, batches) == [_hf_greedy(path, b) for b in batches]
+
+
+@ONEDNN
+def test_an_untied_head_is_packed_a_tied_one_is_not(
+    hf_checkpoint: HFGet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """oneDNN takes an untied ``lm_head`` too; a tied one stays the embedding matrix (no
+    second copy); both keep transformers' greedy tokens (the oracle tests above run with
+    every kernel forced)."""
+    monkeypatch.setenv(lk.ENV, "onednn")
+    for variant, untied in (("llama_gqa", True), ("qwen2_tied", False)):
+        _, path = hf_checkpoint(variant)
+        runner = ModelRunner.load(str(path), dtype="float32", device="cpu", num_blocks=8)
+        try:
+            head = runner.model.lm_head
+            assert isinstance(head, lk.PackedLinear) == untied, variant
+            if untied:  # the loaded weight released: only the packed one is kept
+                assert list(head.parameters()) == [] and head.packed.dtype == torch.float32
+            else:
+                assert head.weight is runner.model.model.embed_tokens.weight
+        finally:
+            runner.close()
