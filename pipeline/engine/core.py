@@ -48,6 +48,8 @@ from stages.fan_in import FanInAggregator
 from stages.graphs import default_engine_graph
 from stages.model.builtin import tokenizer_dir
 from stages.model.compute_thread import Compute
+from stages.model.config import ModelConfig
+from stages.model.runner_parts import resolve_device, resolve_dtype
 from stages.schedule import StepLink
 from stages.scheduler.scheduler import Scheduler
 from stages.speculative import NgramProposer
@@ -109,7 +111,7 @@ class EngineCore:
             )
             self.proposer = _proposer(
                 config,
-                self.model_config.vocab_size,
+                self.model_config,
                 num_blocks,
                 compute=getattr(self.workers[0].runner, "compute", None) if self.workers else None,
             )
@@ -456,13 +458,21 @@ class EngineCore:
             self.step_log.close()
 
 
+def _target_dtype(config: EngineConfig, target: ModelConfig) -> str:
+    """The dtype the target runs in on this process's device: ``config.dtype`` with
+    ``"auto"`` resolved against the target's checkpoint (a draft's own checkpoint may be
+    saved in another dtype)."""
+    device = resolve_device(config.device)
+    return str(resolve_dtype(config.dtype, device, target.torch_dtype)).removeprefix("torch.")
+
+
 def _proposer(
-    config: EngineConfig, vocab_size: int, num_blocks: int, *, compute: Compute | None = None
+    config: EngineConfig, target: ModelConfig, num_blocks: int, *, compute: Compute | None = None
 ) -> NgramProposer | DraftModelProposer | None:
     """The drafts' proposer of ``config.speculative_config`` (``None``: off); a draft
-    model is loaded with the target's settings and as many KV blocks (``num_blocks``),
-    must have its vocabulary (``vocab_size``), and runs on ``compute`` (rank 0's compute
-    thread when the target runs in this process)."""
+    model is loaded with the target's settings and dtype and as many KV blocks
+    (``num_blocks``), must have the target's vocabulary, and runs on ``compute`` (rank
+    0's compute thread when the target runs in this process)."""
     spec = config.speculative
     if spec is None:
         return None
@@ -471,10 +481,10 @@ def _proposer(
         return DraftModelProposer.load(
             spec.model,
             spec.num_speculative_tokens,
-            vocab_size=vocab_size,
+            vocab_size=target.vocab_size,
             num_blocks=num_blocks,
             compute=compute,
-            dtype=config.dtype,
+            dtype=_target_dtype(config, target),
             device=config.device,
             block_size=config.block_size,
             max_model_len=config.max_model_len,

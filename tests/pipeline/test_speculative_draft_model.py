@@ -117,6 +117,37 @@ class TestTokens:
             assert proposer.runner.compute is core.workers[0].runner.compute
             llm.generate(_prompts(512), GREEDY)
 
+    def test_the_draft_runs_in_the_targets_dtype(
+        self, small_draft: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """``dtype="auto"`` resolves against the target's checkpoint (bfloat16 here, on a
+        CPU said to have native bfloat16), and the draft, saved in float32, runs in that
+        dtype too rather than resolving against its own checkpoint."""
+        import json
+        import shutil
+
+        import torch
+
+        from stages.model import runner_parts
+
+        monkeypatch.setattr(runner_parts, "cpu_has_native_bf16", lambda: True)
+        target = tmp_path / "target"
+        shutil.copytree(small_draft, target)
+        config = json.loads((target / "config.json").read_text())
+        config.pop("torch_dtype", None)
+        config["dtype"] = "bfloat16"
+        (target / "config.json").write_text(json.dumps(config))
+        draft_config = json.loads((small_draft / "config.json").read_text())
+        assert (draft_config.get("dtype") or draft_config.get("torch_dtype")) == "float32"
+        spec = _draft(str(small_draft))
+        with LLM(EngineConfig(model=str(target), speculative_config=spec)) as llm:
+            core = llm.engine.core
+            stage = next(s for s in core.engine_graph.stages if isinstance(s, ProposeStage))
+            proposer = stage.proposer
+            assert isinstance(proposer, DraftModelProposer)
+            assert {t.dtype for t in core.workers[0].runner.kv_caches} == {torch.bfloat16}
+            assert {t.dtype for t in proposer.runner.kv_caches} == {torch.bfloat16}
+
 
 class TestProposer:
     def test_rejected_drafts_are_computed_again(self) -> None:
