@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from proc_scan import pids_with
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "pipeline"))
 
@@ -51,19 +52,11 @@ def node_of(resource: str) -> str:
 
 def kill_raylet(node_id: str) -> None:
     """SIGKILL the raylet of node ``node_id`` (found by its command line)."""
-    killed = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if f"--node_id={node_id}" in cmdline and "raylet" in cmdline:
-            os.kill(int(entry.name), signal.SIGKILL)
-            killed += 1
-    if not killed:
+    pids = pids_with(f"--node_id={node_id}", "raylet")
+    if not pids:
         raise LookupError(f"no raylet of node {node_id}")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
 
 
 async def kill_mid_generation(model: str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from ports import free_port
+from proc_scan import pids_with
 
 pytest.importorskip("ray")
 
@@ -70,24 +71,10 @@ class Cluster:
                   "--resources", '{"b": 1}', "--object-store-memory", NODE_MEMORY,
                   *WORKER_PORTS)  # fmt: skip
 
-    def processes(self, marker: str) -> list[int]:
-        """PIDs of this machine's processes whose command line holds ``marker``."""
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if marker in cmdline:
-                found.append(int(entry.name))
-        return found
-
     def stop(self) -> None:
         """Every process of this cluster (they all run under ``tmp``); never ``ray stop``,
         which would stop the other Ray clusters of this machine too."""
-        for pid in self.processes(str(self.tmp)):
+        for pid in pids_with(str(self.tmp)):
             if pid != os.getpid():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
