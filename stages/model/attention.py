@@ -49,8 +49,12 @@ class DecodeBatch:
         seq_len: The context length every request shares, or ``None`` when they differ.
             Keys are then sliced to exactly ``seq_len`` (no mask, no padded keys), so
             attention sums over the same keys in the same order as an unpaged
-            implementation: bit-identical to transformers in bfloat16, where padding
-            would change the reduction's association and flip roundings.
+            implementation (in bfloat16, padding would change the reduction's
+            association and flip roundings). Not bit for bit transformers' bfloat16:
+            the query heads of a KV head are one call's query rows (5x faster in
+            torch's CPU kernel than one row per head), which now and then rounds an
+            output element differently (greedy tokens of the bfloat16 oracle tests
+            equal; 13 of 16 requests of 64 tokens in ``benchmarks/throughput.py``).
         mask: ``[n, 1, 1, max_blocks * block_size]``, True where a key is in context;
             ``None`` when ``seq_len`` is set.
         key_start: The first key attended to when ``seq_len`` is set (keys
