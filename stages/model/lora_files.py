@@ -121,15 +121,22 @@ def _bad(request: LoRARequest, reason: str) -> InvalidRequestError:
     return InvalidRequestError("lora_request", request.lora_path, f"{request.lora_name}: {reason}")
 
 
-def _read_config(request: LoRARequest, directory: Path, max_rank: int) -> dict[str, Any]:
-    path = directory / CONFIG_FILE
+def _read_at_most(request: LoRARequest, path: Path, limit: int, too_large: str) -> bytes:
+    """``path``'s bytes, never reading more than ``limit + 1`` of them; ``too_large`` is
+    the reason given when it holds more than ``limit``."""
     try:
         with path.open("rb") as fh:
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
+            data = fh.read(limit + 1)
     except OSError as exc:
-        raise _bad(request, f"cannot read {CONFIG_FILE}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise _bad(request, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+        raise _bad(request, f"cannot read {path.name}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise _bad(request, too_large)
+    return data
+
+
+def _read_config(request: LoRARequest, directory: Path, max_rank: int) -> dict[str, Any]:
+    too_large = f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes"
+    raw = _read_at_most(request, directory / CONFIG_FILE, MAX_CONFIG_BYTES, too_large)
     try:
         config = json.loads(raw)
     except (ValueError, RecursionError):
@@ -188,14 +195,8 @@ def _read_weights(request: LoRARequest, directory: Path, limit: int) -> bytes:
         if (directory / PICKLED_FILE).exists():
             raise _bad(request, f"{PICKLED_FILE} is a pickle; only {WEIGHTS_FILE} is loaded")
         raise _bad(request, f"no {WEIGHTS_FILE} in the directory")
-    try:
-        with path.open("rb") as fh:
-            data = fh.read(limit + 1)
-    except OSError as exc:
-        raise _bad(request, f"cannot read {WEIGHTS_FILE}: {exc.strerror or exc}") from None
-    if len(data) > limit:
-        raise _bad(request, f"{WEIGHTS_FILE} is larger than the {limit} bytes its shapes need")
-    return data
+    too_large = f"{WEIGHTS_FILE} is larger than the {limit} bytes its shapes need"
+    return _read_at_most(request, path, limit, too_large)
 
 
 def _parse(

@@ -10,6 +10,7 @@ so the event loop stays responsive. One call at a time (not thread-safe).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import attrs
@@ -272,7 +273,8 @@ class ModelRunner:
             hooks = ConnectorHooks(
                 connector, self.kv_caches, self.forward_context(scheduler_output)
             )
-        with torch.inference_mode(), self.device_sync.compute_stream(), lora_step(lora):
+        adapters = nullcontext() if lora is None else lora_step(lora)  # none: nothing to set
+        with torch.inference_mode(), self.device_sync.compute_stream(), adapters:
             rope_rows = meta.positions if batch.rope_rows is None else batch.rope_rows
             try:
                 hidden = self.model(batch.input_ids, rope_rows, meta, self.kv_caches, hooks)
