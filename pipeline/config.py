@@ -267,6 +267,17 @@ class EngineConfig:
             on a GPU is bound by. Only on CUDA, with ``world_size=1`` and no connector;
             steps with a prefill chunk, and steps larger than ``max_num_seqs``'s largest
             padded size, run eagerly.
+        torch_compile: On a CPU, compile each worker's forward pass with
+            ``torch.compile`` (inductor) at load, before the engine serves: the small
+            ops of each layer (norms, rotary, residuals, SiLU) fused into generated C++
+            loops, the GEMMs and the paged attention called as they are
+            (:mod:`stages.model.compiled_forward`). Costs seconds at start (a C++
+            compiler must be installed; compiled code is cached on disk by inductor)
+            and makes every decode step cheaper. Where it cannot be used (CUDA, tensor
+            parallel ranks, mixture-of-experts or sliding-window layers, LoRA, or a
+            failed compilation) the pass runs eagerly and one warning
+            (``torch_compile_fallback``) says why. ``kvstep serve`` turns it on by
+            default (``--no-torch-compile`` turns it off).
         kv_events: Publish the KV cache events of the block pool and of the connector
             tiers that report them (vLLM's schema, on ZeroMQ): a ``KVEventsConfig``, a
             PUB endpoint to bind such as ``tcp://127.0.0.1:5557``, or a dict (JSON
@@ -377,6 +388,7 @@ class EngineConfig:
         default=INLINE_FORWARD_BELOW_S, validator=_inline_forward_below
     )
     cuda_graphs: bool = attrs.field(default=False, validator=_cuda_graphs)
+    torch_compile: bool = attrs.field(default=False, validator=_bool)
     keep_freed_memory: bool = attrs.field(default=True, validator=_bool)
     speculative_config: dict[str, Any] | None = attrs.field(default=None)
     engine_id: str | None = attrs.field(default=None, validator=_engine_id)

@@ -115,7 +115,7 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
         InvalidConfigError: ``--kv-role`` with another ``--connector``, or with a
             different ``role`` in ``--connector-options``.
     """
-    fields = config_fields(args)
+    fields = {"torch_compile": True, **config_fields(args)}  # SERVE_DEFAULTS
     role = getattr(args, "kv_role", None)
     if role is not None:
         connector = fields.get("connector")

@@ -21,7 +21,7 @@ from pipeline.config import (
     EngineConfig,
 )
 
-__all__ = ["CHOICES", "RUN_DEFAULTS", "config_flag_help", "finish_help"]
+__all__ = ["CHOICES", "RUN_DEFAULTS", "SERVE_DEFAULTS", "config_flag_help", "finish_help"]
 
 #: The allowed values of the fields that have a fixed set of them.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -42,6 +42,10 @@ RUN_DEFAULTS: dict[str, str] = {
     "max_model_len": "1024",
     "step_log": "<cache dir>/run-steps.jsonl",
 }
+
+#: The defaults ``kvstep serve`` uses where they differ from ``EngineConfig``'s, as shown
+#: in its help (``pipeline.cli.config_flags.serve_config`` applies them).
+SERVE_DEFAULTS: dict[str, str] = {"torch_compile": "on"}
 
 _FALLBACK = {
     "kv_cache_memory_bytes": "Bytes of KV cache per rank when num_gpu_blocks is not given.",

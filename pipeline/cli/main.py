@@ -23,7 +23,7 @@ from pipeline.cli.config_flags import (
     config_fields,
     serve_config,
 )
-from pipeline.cli.flag_help import RUN_DEFAULTS, finish_help
+from pipeline.cli.flag_help import RUN_DEFAULTS, SERVE_DEFAULTS, finish_help
 from pipeline.errors import InvalidConfigError, KvstepError
 from pipeline.logger import cli_logging
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     serve = sub.add_parser("serve", help="OpenAI-compatible server (kvstep[server])")
-    add_config_flags(serve)
+    add_config_flags(serve, SERVE_DEFAULTS)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument(

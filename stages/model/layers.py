@@ -68,7 +68,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     applied in ``x``'s dtype (as Hugging Face Llama does)."""
     dtype = x.dtype
     fused = _FUSED_RMS_NORM
-    if fused is not None:
+    if fused is not None and not torch.compiler.is_compiling():  # inductor fuses the composite
         if dtype == torch.float32 and weight.dtype == torch.float32:
             return fused(x, (x.shape[-1],), weight, eps)[0]
         h = fused(x, (x.shape[-1],), None, eps)[0]  # computed in float32, rounded once
@@ -209,11 +209,14 @@ def attend(
     q = apply_rotary(q_h, *rope)
     k = apply_rotary(k_h, *rope)
     v = v_x.view(t, kv_heads, head_dim)
-    if hooks is not None:
-        hooks.before_attention(layer)
-    o = paged_attention(q, k, v, kv_cache, meta, scale, layer)
-    if hooks is not None:
-        hooks.after_attention(layer)
+    if torch.compiler.is_compiling():  # the cache, metadata and hooks are the op's own
+        o = torch.ops.kvstep.paged_attention(q, k, v, layer, scale)  # (compiled_forward)
+    else:
+        if hooks is not None:
+            hooks.before_attention(layer)
+        o = paged_attention(q, k, v, kv_cache, meta, scale, layer)
+        if hooks is not None:
+            hooks.after_attention(layer)
     return _onto(o_p, o.view(t, heads * head_dim), residual)
 
 

@@ -137,6 +137,9 @@ class FusedPackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every projection's output side by side: ``[..., sum(sizes)]``."""
+        if torch.compiler.is_compiling():  # opaque to inductor (compiled_forward)
+            fused: torch.Tensor = torch.ops.kvstep.onednn_linear(x, self.packed, self.bias)
+            return fused
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed, self.bias, "none", [], ""
         )

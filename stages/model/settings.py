@@ -51,6 +51,8 @@ class RunnerSettings:
             :mod:`~stages.model.compute_thread`); ``0``: never. At most ``1``.
         cuda_graphs: Replay decode-only steps from CUDA graphs
             (:class:`~stages.model.cuda_graphs.DecodeGraphs`); CUDA only, one rank.
+        torch_compile: On a CPU, compile the forward pass at load
+            (:mod:`~stages.model.compiled_forward`); eager where it cannot be.
         keep_freed_memory: On a CPU, keep the memory a step frees for the next one
             (:func:`~stages.model.cpu_allocator.keep_freed_memory`, process-wide).
         enable_lora: Apply requests' LoRA adapters (:mod:`stages.model.lora`).
@@ -80,6 +82,7 @@ class RunnerSettings:
     inline_forward: bool = False
     inline_forward_below_s: float = INLINE_FORWARD_BELOW_S
     cuda_graphs: bool = False
+    torch_compile: bool = False
     keep_freed_memory: bool = True
     enable_lora: bool = False
     max_loras: int = 1
@@ -100,8 +103,8 @@ class RunnerSettings:
             lo=0,
             optional=True,
         )
-        for name in ("inline_forward", "cuda_graphs", "keep_freed_memory", "enable_lora",
-                     "decode_mirror"):  # fmt: skip
+        for name in ("inline_forward", "cuda_graphs", "torch_compile", "keep_freed_memory",
+                     "enable_lora", "decode_mirror"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(name, getattr(self, name), "must be a bool")
         if self.cuda_graphs and self.world_size != 1:

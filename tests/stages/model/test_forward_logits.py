@@ -23,11 +23,16 @@ def _prompts(vocab: int, seed: int = 1) -> dict[str, list[int]]:
     return {f"r{n}": torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS}
 
 
-def _check_against_hf(hf_checkpoint: HFGet, step_driver: Any, variant: str, *, chunk: int) -> None:
+def _check_against_hf(
+    hf_checkpoint: HFGet, step_driver: Any, variant: str, *, chunk: int, **options: Any
+) -> ModelRunner:
+    """Logits and greedy tokens of ``variant`` against transformers'; ``options``: more
+    ``ModelRunner.load`` settings. Returns the (closed) runner."""
     hf_model, path = hf_checkpoint(variant)
     runner = ModelRunner.load(
-        str(path), dtype="float32", device="cpu", block_size=16, num_blocks=64, max_model_len=512
-    )
+        str(path), dtype="float32", device="cpu", block_size=16, num_blocks=64,
+        max_model_len=512, **options,
+    )  # fmt: skip
     driver = step_driver(runner, chunk=chunk)
     for req_id, prompt in _prompts(runner.model_config.vocab_size).items():
         driver.add(req_id, prompt)
@@ -45,6 +50,7 @@ def _check_against_hf(hf_checkpoint: HFGet, step_driver: Any, variant: str, *, c
         # Greedy decode fed the argmax back, so the tokens follow HF's argmax too.
         assert driver.outputs(req_id)[: len(rows)] == expected.argmax(-1).tolist()
     runner.close()
+    return runner
 
 
 class TestLogitsMatchTransformers:

@@ -1,0 +1,216 @@
+"""The forward pass compiled by ``torch.compile`` (inductor) on a CPU.
+
+Eager CPU torch pays a dispatch for every small op of a decoder layer (norms, rotary,
+residual adds, SiLU and product, splits and views: ~45 per layer), which at a decode
+step's few rows costs as much as the GEMMs. Compiled, inductor fuses those ops into a
+few generated C++ loops; what stays opaque is called as it is:
+
+- the paged attention, the KV writes and the connector hooks of each layer, as one
+  custom op (``kvstep::paged_attention``) that reads the step's metadata, caches and
+  hooks from :class:`CompiledForward`'s thread-local step (what a graph cannot take as
+  input: Python ints that change every step, connector callbacks);
+- a projection prepacked by oneDNN (``kvstep::onednn_linear``), which inductor's own
+  oneDNN lowering only accepts for weights it packed itself.
+
+One graph for any number of tokens (``dynamic=True``; inductor specialises one row on
+its own), compiled at load by :meth:`CompiledForward.warm_up` so that no request waits
+for it. Only where every op is one of these: one rank on a CPU, dense layers (no
+mixture of experts), no sliding-window layers and no LoRA; anything else runs eagerly,
+and :func:`ineligible` says why. Compiled greedy tokens are those of transformers on
+the oracle tests, in float32 and bfloat16; elementwise chains are fused in float32, so
+bfloat16 logits may round differently from the eager pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import attrs
+import torch
+
+from pipeline.logger import get_logger
+from stages.model.attention import AttentionMetadata, paged_attention
+from stages.model.layers import LayerHooks
+from stages.model.model import CausalLM
+from stages.model.parallel import TensorParallel
+
+__all__ = ["CompiledForward", "ineligible"]
+
+log = get_logger()
+
+_LIB: Final = torch.library.Library("kvstep", "DEF")
+_LIB.define(
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor"
+)
+_LIB.define("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
+
+
+@attrs.frozen
+class _Step:
+    """What the attention op of a compiled pass reads: the step's metadata, this rank's
+    caches and the connector hooks; ``meta=None``: a warm-up pass (no cache touched)."""
+
+    meta: AttentionMetadata | None
+    kv_caches: Sequence[torch.Tensor]
+    hooks: LayerHooks | None
+
+
+class _Current(threading.local):
+    step: _Step | None = None
+    calls = 0  # attention ops run in the current pass (none: torch ran it eagerly)
+
+
+_CURRENT: Final = _Current()
+
+
+def _paged_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    step = _CURRENT.step
+    if step is None:
+        raise RuntimeError("kvstep::paged_attention runs only inside CompiledForward")
+    _CURRENT.calls += 1
+    if step.meta is None:  # warm-up: the shapes only
+        return torch.zeros_like(query)
+    hooks = step.hooks
+    if hooks is not None:
+        hooks.before_attention(layer)
+    out = paged_attention(query, key, value, step.kv_caches[layer], step.meta, scale, layer)
+    if hooks is not None:
+        hooks.after_attention(layer)
+    return out
+
+
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
+
+
+# CompositeExplicitAutograd: a packed weight is an MkldnnCPU tensor, the activations CPU.
+_LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
+_LIB.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kvstep::paged_attention", lib=_LIB)
+def _paged_attention_fake(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+@torch.library.register_fake("kvstep::onednn_linear", lib=_LIB)
+def _onednn_linear_fake(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+def ineligible(model: CausalLM, device: torch.device, tp: TensorParallel, lora: bool) -> str | None:
+    """Why ``model``'s pass cannot be compiled here, or ``None`` when it can."""
+    config = model.config
+    if device.type != "cpu":
+        return f"compiles on a CPU only, the model is on {device} (CUDA has cuda_graphs)"
+    if tp.sharded:
+        return f"one rank only, not tensor parallel size {tp.size}"
+    if config.sparse_layers:
+        return f"{config.architecture}: mixture-of-experts layers run eagerly"
+    if config.sliding_layers:
+        return f"{config.architecture}: sliding-window layers run eagerly"
+    if lora:
+        return "LoRA adapters run eagerly"
+    return None
+
+
+_INDUCTOR: Final[dict[str, str | int | bool | Callable[..., Any]]] = {
+    "emulate_precision_casts": True
+}
+"""Round where the eager pass rounds: a bfloat16 intermediate is rounded to bfloat16
+even inside a fused loop (inductor otherwise keeps it in float32), so compiled greedy
+tokens stay transformers' bfloat16 ones."""
+
+
+def _own_forward(model: CausalLM) -> Callable[..., torch.Tensor]:
+    """``model.forward`` with a code object of its own: dynamo keeps its graphs (and
+    counts recompilations against a limit of 8) per code object, so the models of one
+    process (a draft beside its target, several runners) would share one cache, and
+    the ninth graph of the process would run eagerly."""
+    function = type(model).forward
+    code = function.__code__.replace()  # a copy
+    own = types.FunctionType(
+        code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
+    return types.MethodType(own, model)
+
+
+class CompiledForward:
+    """``model.forward`` compiled by inductor; called as the model is.
+
+    Args:
+        model: A loaded model that :func:`ineligible` accepts.
+
+    Attributes:
+        active: Whether passes run compiled; ``False`` once torch ran one eagerly
+            instead (dynamo's recompile limit reached by other models of the process,
+            or a graph it would not build): the model's own forward then runs, after
+            one ``torch_compile_fallback`` warning.
+        passes: Passes run through the compiled graph.
+
+    Not thread-safe (one pass at a time, as the model); the step it reads is
+    thread-local, so it is set and read on the thread that runs the pass.
+    """
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.active = True
+        self.passes = 0
+        self._compiled: Callable[..., torch.Tensor] = torch.compile(
+            _own_forward(model), dynamic=True, options=_INDUCTOR
+        )
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        kv_caches: Sequence[torch.Tensor],
+        hooks: LayerHooks | None = None,
+    ) -> torch.Tensor:
+        """:meth:`CausalLM.forward`, compiled (same arguments, same result)."""
+        if not self.active:
+            return self.model(input_ids, positions, attn_meta, kv_caches, hooks)
+        return self._run(input_ids, positions, _Step(attn_meta, kv_caches, hooks))
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: _Step) -> torch.Tensor:
+        _CURRENT.step, _CURRENT.calls = step, 0
+        try:
+            # The graph does not read the metadata, caches or hooks (the attention op
+            # does); they are passed for a pass that torch runs eagerly instead.
+            out = self._compiled(input_ids, positions, step.meta, step.kv_caches, step.hooks)
+            compiled = _CURRENT.calls > 0
+        finally:
+            _CURRENT.step = None
+        if compiled:
+            self.passes += 1
+        else:
+            self.active = False
+            log.warning("torch_compile_fallback", forward="eager",
+                        reason="torch ran the compiled pass eagerly (dynamo's recompile "
+                        "limit, or a graph it would not build)")  # fmt: skip
+        return out
+
+    def warm_up(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Compile the graphs of one row and of several (inductor specialises one),
+        without touching ``kv_caches``. Raises what compilation raises (no C++
+        compiler, an op inductor cannot lower)."""
+        device = self.model.model.embed_tokens.weight.device
+        for rows in (1, 2):
+            # Made outside inference mode, as the runner's inputs are (a guard checks).
+            ids = torch.zeros(rows, dtype=torch.long, device=device)
+            positions = torch.arange(rows, device=device)
+            with torch.inference_mode():
+                self._run(ids, positions, _Step(None, kv_caches, None))
