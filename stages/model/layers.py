@@ -367,6 +367,8 @@ class DecoderLayer(nn.Module):
         self._refs_cache: tuple[int, tuple[Any, ...]] | None = None
 
     def _refs(self) -> tuple[Any, ...]:
+        if torch.compiler.is_compiling():  # traced once: guards on the modules themselves
+            return self._collect_refs()
         cache = self._refs_cache
         if cache is not None and cache[0] == _ASSIGNMENTS[0]:
             return cache[1]
