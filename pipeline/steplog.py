@@ -209,13 +209,15 @@ class StepLog:
 
     def record_model(self, **fields: Any) -> None:
         """Write the log's ``model`` record: what the engine runs and on what (model,
-        dtype, device, ranks, KV blocks, the linear kernel its projections were put on).
+        dtype, device, ranks, KV blocks, the linear kernel its projections were put on,
+        whether its passes run compiled: ``torch_compile``, ``false`` where it fell back).
 
         Written once, when the engine has started, before its first step::
 
             {"event": "model", "model": "builtin:tiny", "dtype": "auto", "device": "auto",
              "world_size": 1, "executor": "inprocess", "num_blocks": 512,
-             "block_size": 16, "linear_kernel": "onednn", "ts": 1718000000.1}
+             "block_size": 16, "linear_kernel": "onednn", "compiled": false,
+             "ts": 1718000000.1}
         """
         self._emit([{"event": "model", **fields}], debug_enabled())
 

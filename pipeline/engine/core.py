@@ -119,6 +119,7 @@ class EngineCore:
             self._abandon()
             raise
         self.linear_kernel = started.linear_kernel
+        self.compiled = started.compiled
         self.step_log.record_model(
             model=config.model,
             dtype=config.dtype,
@@ -128,6 +129,7 @@ class EngineCore:
             num_blocks=num_blocks,
             block_size=config.block_size,
             linear_kernel=started.linear_kernel,
+            compiled=started.compiled,
         )
         self.output_text = OutputText(self.tokenizer, self.scheduler.stop_requests)
         #: The LoRA adapters this engine has read (:class:`LoRARegistry`).

@@ -47,7 +47,7 @@ class StartedExecutor:
 
     ``fingerprint`` is rank 0's (the scheduler-side connector's keys), ``num_blocks``
     the smallest KV cache among the ranks, ``linear_kernel`` what rank 0's projections
-    run on; ``workers`` are the in-process ranks (empty for ranks in other processes).
+    run on, ``compiled`` whether its passes run compiled (``torch_compile``); ``workers`` are the in-process ranks (empty for ranks in other processes).
     """
 
     executor: Executor
@@ -56,6 +56,7 @@ class StartedExecutor:
     num_blocks: int
     workers: tuple[Worker, ...] = ()
     linear_kernel: str = "mkl"
+    compiled: bool = False
 
 
 class Backend(Protocol):
@@ -93,6 +94,7 @@ def start_inprocess(
         first.num_blocks,
         workers,
         first.linear_kernel,
+        first.compiled,
     )
 
 
@@ -116,6 +118,7 @@ def _start_remote(
         executor.fingerprint,
         executor.num_blocks,
         linear_kernel=executor.linear_kernel,
+        compiled=executor.compiled,
     )
 
 

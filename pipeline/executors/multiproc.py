@@ -86,7 +86,7 @@ class MultiprocExecutor:
 
     Build it with :meth:`launch` (blocking: it waits for every rank's model to load).
     Attributes ``num_blocks`` (the smallest cache of the ranks), ``fingerprint`` and
-    ``linear_kernel`` (rank 0's) come from the ranks' ``Ready``.
+    ``linear_kernel`` and ``compiled`` (rank 0's) come from the ranks' ``Ready``.
     """
 
     name = "multiproc"
@@ -100,12 +100,14 @@ class MultiprocExecutor:
         fingerprint: ModelFingerprint,
         workdir: str,
         linear_kernel: str = "mkl",
+        compiled: bool = False,
     ) -> None:
         self._ranks = tuple(ranks)
         self.step_log = step_log
         self.num_blocks = num_blocks
         self.fingerprint = fingerprint
         self.linear_kernel = linear_kernel
+        self.compiled = compiled
         self.failure: WorkerDiedError | None = None
         self._workdir = workdir
         self._closed = False
@@ -193,6 +195,7 @@ class MultiprocExecutor:
             fingerprint=ready[0].fingerprint,
             workdir=workdir,
             linear_kernel=ready[0].linear_kernel,
+            compiled=ready[0].compiled,
         )
 
     @staticmethod

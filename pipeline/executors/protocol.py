@@ -24,13 +24,15 @@ class RemoteExecutor(Executor, Protocol):
     """An executor whose ranks load the model themselves (worker processes, Ray actors).
 
     ``fingerprint`` is rank 0's (the scheduler-side connector's keys), ``num_blocks``
-    the smallest KV cache among the ranks and ``linear_kernel`` what rank 0's
-    projections run on, all from the ranks' ``Ready``. ``kill``
+    the smallest KV cache among the ranks, ``linear_kernel`` what rank 0's
+    projections run on and ``compiled`` whether its passes run compiled, all from the
+    ranks' ``Ready``. ``kill``
     stops every rank at once (failure paths; no graceful shutdown).
     """
 
     fingerprint: ModelFingerprint
     num_blocks: int
     linear_kernel: str
+    compiled: bool
 
     def kill(self) -> None: ...

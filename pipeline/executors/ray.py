@@ -81,6 +81,7 @@ class RayExecutor:
         num_blocks: int,
         fingerprint: ModelFingerprint,
         linear_kernel: str = "mkl",
+        compiled: bool = False,
     ) -> None:
         self._actors = tuple(actors)
         self._placement_group = placement_group
@@ -88,6 +89,7 @@ class RayExecutor:
         self.num_blocks = num_blocks
         self.fingerprint = fingerprint
         self.linear_kernel = linear_kernel
+        self.compiled = compiled
         self.failure: WorkerDiedError | None = None
         self._closed = False
 
@@ -178,6 +180,7 @@ class RayExecutor:
             num_blocks=min(r.num_blocks for r in ready),
             fingerprint=ready[0].fingerprint,
             linear_kernel=ready[0].linear_kernel,
+            compiled=ready[0].compiled,
         )
 
     # -------------------------------------------------------------------- step

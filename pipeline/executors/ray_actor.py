@@ -72,6 +72,7 @@ class RayWorkerActor:
                     runner.num_blocks,
                     runner.fingerprint,
                     runner.linear_kernel,
+                    runner.compiled,
                 )
             )
         except Exception as exc:

@@ -405,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.runner.num_blocks,
             fingerprint,
             worker.runner.linear_kernel,
+            worker.runner.compiled,
         )
     )
     _log.info("worker_ready", num_blocks=worker.runner.num_blocks, device=init.device)

@@ -84,6 +84,7 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     num_blocks: int
     fingerprint: ModelFingerprint
     linear_kernel: str = "mkl"  # what the rank's projections run on (linear_kernels)
+    compiled: bool = False  # whether its passes run compiled (compiled_forward)
 
 
 class InitFailed(msgspec.Struct, frozen=True, tag="init_failed"):

@@ -270,7 +270,9 @@ async def _health(request: Request) -> Response:
     requests in flight and the seconds left), ``"unavailable"`` when the engine is not
     running.
 
-    With a connector, ``kv_connector`` says whether its loads work: ``"degraded"``
+    ``compiled`` says whether the forward passes run compiled (``torch_compile``, the
+    default of ``kvstep serve``; ``false`` where it fell back to eager, as its
+    ``torch_compile_fallback`` warning says). With a connector, ``kv_connector`` says whether its loads work: ``"degraded"``
     (and ``status`` with it, still 200: the engine serves, recomputing) when every load
     of the last :data:`~pipeline.server.metrics.DEGRADED_AFTER_S` seconds failed. The
     KV events endpoints are shown only to callers holding the API key when one is set.
@@ -299,6 +301,7 @@ async def _health(request: Request) -> Response:
         "steps": engine.num_steps,
         "leaks": engine.leak_report(),
         "loop_lag": state.lag.snapshot(),
+        "compiled": engine.core.compiled,  # torch_compile (false: eager, or it fell back)
     }
     if engine.config.connector is not None:
         kv = {"name": engine.config.connector, **state.metrics.kv_health.snapshot()}

@@ -45,5 +45,6 @@ def test_a_served_model_runs_compiled(tmp_path: Path) -> None:
         )
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 8
+        assert server.health().json()["compiled"] is True
         log = server.log_text()
     assert "torch_compiled" in log and "torch_compile_fallback" not in log

@@ -34,7 +34,7 @@ def test_inprocess_record_names_the_kernel_in_use(
     records = load_step_log(log)
     assert records[0]["event"] == "model"  # before the first step
     (model,) = _model_records(log)
-    assert model["linear_kernel"] == kernel
+    assert model["linear_kernel"] == kernel and model["compiled"] is False
     assert model["model"] == "builtin:tiny" and model["dtype"] == "float32"
     assert model["executor"] == "inprocess" and model["world_size"] == 1
     assert isinstance(model["num_blocks"], int) and model["num_blocks"] > 0
@@ -59,3 +59,24 @@ def test_a_worker_process_reports_its_kernel(
         assert llm.engine.core.linear_kernel == "onednn"
     (model,) = _model_records(log)
     assert model["linear_kernel"] == "onednn" and model["executor"] == "multiproc"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("executor", "world_size", "compiled"),
+    [("inprocess", 1, True), ("multiproc", 1, True), ("multiproc", 2, False)],
+)
+def test_the_record_says_whether_passes_run_compiled(
+    tmp_path: Path, executor: str, world_size: int, compiled: bool
+) -> None:
+    """``torch_compile``: the rank compiled its pass (a worker process's Ready carries
+    it), the engine and its model record say so; two tensor-parallel worker processes
+    cannot, and they say that too."""
+    log = tmp_path / "steps.jsonl"
+    config = EngineConfig(model="builtin:tiny", dtype="float32", executor=executor,
+                          world_size=world_size, torch_compile=True, step_log=str(log))  # fmt: skip
+    with LLM(config) as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+        assert llm.engine.core.compiled is compiled
+    (model,) = _model_records(log)
+    assert model["compiled"] is compiled
