@@ -47,7 +47,8 @@ class StartedExecutor:
 
     ``fingerprint`` is rank 0's (the scheduler-side connector's keys), ``num_blocks``
     the smallest KV cache among the ranks, ``linear_kernel`` what rank 0's projections
-    run on, ``compiled`` whether its passes run compiled (``torch_compile``); ``workers`` are the in-process ranks (empty for ranks in other processes).
+    run on, ``compiled`` whether its passes run compiled (``torch_compile``);
+    ``workers`` are the in-process ranks (empty for ranks in other processes).
     """
 
     executor: Executor

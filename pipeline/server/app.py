@@ -272,10 +272,11 @@ async def _health(request: Request) -> Response:
 
     ``compiled`` says whether the forward passes run compiled (``torch_compile``, the
     default of ``kvstep serve``; ``false`` where it fell back to eager, as its
-    ``torch_compile_fallback`` warning says). With a connector, ``kv_connector`` says whether its loads work: ``"degraded"``
-    (and ``status`` with it, still 200: the engine serves, recomputing) when every load
-    of the last :data:`~pipeline.server.metrics.DEGRADED_AFTER_S` seconds failed. The
-    KV events endpoints are shown only to callers holding the API key when one is set.
+    ``torch_compile_fallback`` warning says). With a connector, ``kv_connector``
+    says whether its loads work: ``"degraded"`` (and ``status`` with it, still 200:
+    the engine serves, recomputing) when every load of the last
+    :data:`~pipeline.server.metrics.DEGRADED_AFTER_S` seconds failed. The KV events
+    endpoints are shown only to callers holding the API key when one is set.
     """
     state = _state(request)
     if state.drain.draining:
