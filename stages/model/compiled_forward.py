@@ -43,7 +43,8 @@ log = get_logger()
 
 _LIB: Final = torch.library.Library("kvstep", "DEF")
 _LIB.define(
-    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor"
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, "
+    "bool compiled) -> Tensor"
 )
 _LIB.define("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
 
@@ -67,12 +68,17 @@ _CURRENT: Final = _Current()
 
 
 def _paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    compiled: bool,
 ) -> torch.Tensor:
     step = _CURRENT.step
     if step is None:
         raise RuntimeError("kvstep::paged_attention runs only inside CompiledForward")
-    _CURRENT.calls += 1
+    _CURRENT.calls += compiled  # traced: True is in the graph; False where torch ran eagerly
     if step.meta is None:  # warm-up: the shapes only
         return torch.zeros_like(query)
     hooks = step.hooks
@@ -98,7 +104,12 @@ _LIB.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("kvstep::paged_attention", lib=_LIB)
 def _paged_attention_fake(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    compiled: bool,
 ) -> torch.Tensor:
     return torch.empty_like(query)
 
@@ -127,7 +138,8 @@ def ineligible(model: CausalLM, device: torch.device, tp: TensorParallel, lora: 
 
 
 _INDUCTOR: Final[dict[str, str | int | bool | Callable[..., Any]]] = {
-    "emulate_precision_casts": True
+    "emulate_precision_casts": True,
+    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
 }
 """Round where the eager pass rounds: a bfloat16 intermediate is rounded to bfloat16
 even inside a fused loop (inductor otherwise keeps it in float32), so compiled greedy
@@ -166,6 +178,7 @@ class CompiledForward:
 
     def __init__(self, model: CausalLM) -> None:
         self.model = model
+        self._no_caches = (None,) * len(model.model.layers)  # the op reads the step's
         self.active = True
         self.passes = 0
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
@@ -188,9 +201,9 @@ class CompiledForward:
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: _Step) -> torch.Tensor:
         _CURRENT.step, _CURRENT.calls = step, 0
         try:
-            # The graph does not read the metadata, caches or hooks (the attention op
-            # does); they are passed for a pass that torch runs eagerly instead.
-            out = self._compiled(input_ids, positions, step.meta, step.kv_caches, step.hooks)
+            # No metadata, caches or hooks in the graph (their guards would cost every
+            # call): the attention op reads them, compiled or run eagerly by torch.
+            out = self._compiled(input_ids, positions, None, self._no_caches, None)
             compiled = _CURRENT.calls > 0
         finally:
             _CURRENT.step = None

@@ -62,8 +62,8 @@ class Gemma3DecoderLayer(DecoderLayer):
         self,
         x: torch.Tensor,
         rope: CosSin,
-        meta: AttentionMetadata,
-        kv_cache: torch.Tensor,
+        meta: AttentionMetadata | None,
+        kv_cache: torch.Tensor | None,
         hooks: LayerHooks | None,
     ) -> torch.Tensor:
         in_w, post_attn_w, pre_ff_w, post_ff_w, eps, attn, mlp, approximate = self._refs()

@@ -188,13 +188,17 @@ def attend(
     refs: AttentionRefs,
     x: torch.Tensor,
     rope: CosSin,
-    meta: AttentionMetadata,
-    kv_cache: torch.Tensor,
+    meta: AttentionMetadata | None,
+    kv_cache: torch.Tensor | None,
     hooks: LayerHooks | None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Self-attention of ``x [T, hidden]`` over the paged KV cache (its new K/V written),
-    added to ``residual`` when one is given."""
+    added to ``residual`` when one is given.
+
+    ``meta`` ``None``: a pass of :class:`~stages.model.compiled_forward.CompiledForward`,
+    whose attention op reads the step's metadata, cache and hooks itself (a graph takes
+    none of them: their ints change every step)."""
     q_p, k_p, v_p, o_p, heads, kv_heads, head_dim, scale, layer, qk_norm = refs
     t = x.shape[0]
     if k_p is None or v_p is None:  # one GEMM for the three: its columns are q | k | v
@@ -209,9 +213,10 @@ def attend(
     q = apply_rotary(q_h, *rope)
     k = apply_rotary(k_h, *rope)
     v = v_x.view(t, kv_heads, head_dim)
-    if torch.compiler.is_compiling():  # the cache, metadata and hooks are the op's own
-        o = torch.ops.kvstep.paged_attention(q, k, v, layer, scale)  # (compiled_forward)
+    if meta is None:  # compiled_forward's pass: the op runs the step's attention
+        o = torch.ops.kvstep.paged_attention(q, k, v, layer, scale, torch.compiler.is_compiling())
     else:
+        assert kv_cache is not None
         if hooks is not None:
             hooks.before_attention(layer)
         o = paged_attention(q, k, v, kv_cache, meta, scale, layer)
@@ -295,8 +300,8 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: CosSin,
-        meta: AttentionMetadata,
-        kv_cache: torch.Tensor,
+        meta: AttentionMetadata | None,
+        kv_cache: torch.Tensor | None,
         hooks: LayerHooks | None,
     ) -> torch.Tensor:
         return attend(self.refs(), x, rope, meta, kv_cache, hooks)
@@ -392,8 +397,8 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: CosSin,
-        meta: AttentionMetadata,
-        kv_cache: torch.Tensor,
+        meta: AttentionMetadata | None,
+        kv_cache: torch.Tensor | None,
         hooks: LayerHooks | None,
     ) -> torch.Tensor:
         norm_w, norm_eps, attn, post_w, post_eps, mlp = self._refs()

@@ -132,8 +132,8 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_meta: AttentionMetadata,
-        kv_caches: Sequence[torch.Tensor],
+        attn_meta: AttentionMetadata | None,
+        kv_caches: Sequence[torch.Tensor | None],
         hooks: LayerHooks | None = None,
     ) -> torch.Tensor:
         """Run every layer over the flat batch; returns the final-norm hidden ``[T, hidden]``.
@@ -143,7 +143,9 @@ class CausalLM(nn.Module):
             positions: ``[T]`` rows of the rotary table: each token's position, plus
                 ``rotary.long_rope.offset`` for a token that a ``longrope`` model rotates
                 with its long factors (:class:`~stages.model.rope.LongRope`).
-            attn_meta: The step's attention metadata.
+            attn_meta: The step's attention metadata; ``None`` in a pass of
+                :class:`~stages.model.compiled_forward.CompiledForward` (with ``None``
+                caches and hooks: its attention op reads the step's).
             kv_caches: One cache tensor per layer; the new K/V are written into them.
             hooks: Per-layer callbacks (connector waits and saves), or ``None``.
 
@@ -158,7 +160,7 @@ class CausalLM(nn.Module):
             for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
                 h = layer.forward(h, rope, attn_meta, kv_cache, hooks)  # no hooks of its own
         else:
-            assert self.config.sliding_window is not None
+            assert self.config.sliding_window is not None and attn_meta is not None
             window_meta = sliding_window_metadata(attn_meta, self.config.sliding_window)
             window_rope = self.sliding_rotary.cos_sin(positions, h.dtype)
             for layer, kv_cache, slides in zip(model.layers, kv_caches, self._sliding,

@@ -164,7 +164,7 @@ class TestAttentionOp:
     def test_outside_a_compiled_pass_it_refuses(self) -> None:
         q = torch.zeros(1, 2, 4)
         with pytest.raises(RuntimeError, match="inside CompiledForward"):
-            torch.ops.kvstep.paged_attention(q, q[:, :1], q[:, :1], 0, 1.0)
+            torch.ops.kvstep.paged_attention(q, q[:, :1], q[:, :1], 0, 1.0, True)
 
     def test_connector_hooks_run_around_each_layer(self, step_driver: Any) -> None:
         """The hooks a connector gets (wait before a layer's attention, save after it)
