@@ -1,7 +1,7 @@
 """Roofline: this machine's GEMM peak and memory bandwidth against the model's work.
 
     python benchmarks/roofline.py [--prefill-tokens 4096] [--prefill-seq-len 512]
-        [--decode-tokens 32] [--dtype float32]
+        [--decode-tokens 32] [--dtype float32] [--torch-compile]
 
 Measures the fp32 and bf16 GEMM peak of each linear kernel kvstep can choose
 (:mod:`stages.model.linear_kernels`: ``mkl``, square ``torch.mm(a, b.t())``, the layout of
@@ -149,6 +149,7 @@ def time_kvstep(path: Path, args: argparse.Namespace) -> dict[str, float]:
         max_num_seqs=n_seqs,
         max_model_len=args.prefill_seq_len + args.decode_tokens + 16,
         enable_prefix_caching=False,
+        torch_compile=args.torch_compile,
     )
     prompts = _prompts(n_seqs, args.prefill_seq_len)
 
@@ -200,6 +201,8 @@ def _in_subprocess(engine: str, path: Path, args: argparse.Namespace) -> dict[st
         cmd = [sys.executable, __file__, "--engine", engine, "--model-path", str(path)]
         for flag in ("prefill_tokens", "prefill_seq_len", "decode_tokens", "repeats", "dtype"):
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+        if args.torch_compile:
+            cmd.append("--torch-compile")
         subprocess.run([*cmd, "--json", str(out)], check=True)
         result: dict[str, float] = json.loads(out.read_text())
     return result
@@ -245,6 +248,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--bandwidth-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs (best kept)")
     parser.add_argument("--json", type=Path, default=RESULTS / "roofline.json")
+    parser.add_argument(
+        "--torch-compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="kvstep with EngineConfig.torch_compile (compiled at load, outside the timing)",
+    )
     parser.add_argument("--engine", choices=["both", "kvstep", "transformers"], default="both")
     parser.add_argument("--model-path", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -257,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "dtype": args.dtype,
+        "torch_compile": args.torch_compile,
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "prefill_tokens": args.prefill_tokens,
