@@ -12,13 +12,15 @@ few generated C++ loops; what stays opaque is called as it is:
 - a projection prepacked by oneDNN (``kvstep::onednn_linear``), which inductor's own
   oneDNN lowering only accepts for weights it packed itself.
 
-One graph for any number of tokens (``dynamic=True``; inductor specialises one row on
-its own), compiled at load by :meth:`CompiledForward.warm_up` so that no request waits
-for it. Only where every op is one of these: one rank on a CPU, dense layers (no
-mixture of experts), no sliding-window layers and no LoRA; anything else runs eagerly,
-and :func:`ineligible` says why. Compiled greedy tokens are those of transformers on
-the oracle tests, in float32 and bfloat16; elementwise chains are fused in float32, so
-bfloat16 logits may round differently from the eager pass.
+Two graphs (``dynamic=True``: one for a single row, which dynamo specialises, one for
+any other number of tokens), both compiled at load by :meth:`CompiledForward.warm_up`
+so that no request waits for them; each model has a code object of its own (dynamo
+counts its recompilations per code object) and no guards on its frozen modules. Only
+where every op is one of these: one rank on a CPU, dense layers (no mixture of
+experts), no sliding-window layers and no LoRA; anything else runs eagerly, and
+:func:`ineligible` says why. bfloat16 intermediates are rounded where the eager pass
+rounds them (``emulate_precision_casts``): compiled greedy tokens are transformers' on
+the oracle tests, in float32 and bfloat16, though logits may differ in the last bits.
 """
 
 from __future__ import annotations
