@@ -331,5 +331,7 @@ def _holds_api_key(request: Request, options: ServerOptions) -> bool:
 async def _metrics(request: Request) -> Response:
     state = _state(request)
     engine = state.running_engine()
-    text = state.metrics.render(queue_depth=engine.num_requests, lag=state.lag)
+    text = state.metrics.render(
+        queue_depth=engine.num_requests, lag=state.lag, compiled=engine.core.compiled
+    )
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")

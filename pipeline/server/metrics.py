@@ -285,6 +285,12 @@ class ServerMetrics:
         self.loop_lag_p99 = Gauge(
             "kvstep_event_loop_lag_p99_seconds", "p99 event-loop lag (recent)", registry=reg
         )
+        self.forward_compiled = Gauge(
+            "kvstep_forward_compiled",
+            "1 when the forward passes run compiled (torch_compile), 0 when eager "
+            "(off, or fallen back: torch_compile_fallback)",
+            registry=reg,
+        )
 
     def on_step(self, report: StepReport, kind: str, fields: dict[str, Any]) -> None:
         """Account one step report (a StepLog listener)."""
@@ -359,9 +365,10 @@ class ServerMetrics:
                 self.itl.observe(gap)
         return m.last_token_time
 
-    def render(self, *, queue_depth: int, lag: LoopLagMonitor) -> bytes:
+    def render(self, *, queue_depth: int, lag: LoopLagMonitor, compiled: bool = False) -> bytes:
         """The Prometheus text exposition, after refreshing the gauges."""
         self.queue_depth.set(queue_depth)
+        self.forward_compiled.set(int(compiled))
         self.loop_lag_max.set(lag.max_s)
         self.loop_lag_p99.set(lag.p99_s())
         return generate_latest(self.registry)

@@ -26,6 +26,7 @@ the oracle tests, in float32 and bfloat16, though logits may differ in the last 
 from __future__ import annotations
 
 import threading
+import time
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -34,12 +35,12 @@ import attrs
 import torch
 
 from pipeline.logger import get_logger
-from stages.model.attention import AttentionMetadata, paged_attention
-from stages.model.layers import LayerHooks
+from stages.model.attention import AttentionMetadata
+from stages.model.layers import LayerHooks, hooked_attention
 from stages.model.model import CausalLM
 from stages.model.parallel import TensorParallel
 
-__all__ = ["CompiledForward", "ineligible"]
+__all__ = ["CompiledForward", "compiled_or_eager", "ineligible"]
 
 log = get_logger()
 
@@ -83,13 +84,8 @@ def _paged_attention(
     _CURRENT.calls += compiled  # traced: True is in the graph; False where torch ran eagerly
     if step.meta is None:  # warm-up: the shapes only
         return torch.zeros_like(query)
-    hooks = step.hooks
-    if hooks is not None:
-        hooks.before_attention(layer)
-    out = paged_attention(query, key, value, step.kv_caches[layer], step.meta, scale, layer)
-    if hooks is not None:
-        hooks.after_attention(layer)
-    return out
+    cache = step.kv_caches[layer]
+    return hooked_attention(query, key, value, cache, step.meta, scale, layer, step.hooks)
 
 
 def _onednn_linear(
@@ -229,3 +225,23 @@ class CompiledForward:
             positions = torch.arange(rows, device=device)
             with torch.inference_mode():
                 self._run(ids, positions, _Step(None, kv_caches, None))
+
+
+def compiled_or_eager(
+    model: CausalLM, kv_caches: Sequence[torch.Tensor], tp: TensorParallel, lora: bool
+) -> CausalLM | CompiledForward:
+    """``model``'s pass compiled and warmed up, or ``model`` itself (eager) where it
+    cannot be compiled, with one warning saying why (``torch_compile_fallback``)."""
+    reason = ineligible(model, kv_caches[0].device, tp, lora)
+    if reason is None:
+        compiled = CompiledForward(model)
+        start = time.perf_counter()
+        try:
+            compiled.warm_up(kv_caches)
+        except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...
+            reason = f"compilation failed: {type(exc).__name__}: {exc}"
+        else:
+            log.info("torch_compiled", seconds=round(time.perf_counter() - start, 3))
+            return compiled
+    log.warning("torch_compile_fallback", reason=reason, forward="eager")
+    return model

@@ -38,6 +38,7 @@ __all__ = [
     "forget_references",
     "geglu",
     "gemma_rms_norm",
+    "hooked_attention",
     "rms_norm",
     "swiglu",
 ]
@@ -217,12 +218,28 @@ def attend(
         o = torch.ops.kvstep.paged_attention(q, k, v, layer, scale, torch.compiler.is_compiling())
     else:
         assert kv_cache is not None
-        if hooks is not None:
-            hooks.before_attention(layer)
-        o = paged_attention(q, k, v, kv_cache, meta, scale, layer)
-        if hooks is not None:
-            hooks.after_attention(layer)
+        o = hooked_attention(q, k, v, kv_cache, meta, scale, layer, hooks)
     return _onto(o_p, o.view(t, heads * head_dim), residual)
+
+
+def hooked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    layer: int,
+    hooks: LayerHooks | None,
+) -> torch.Tensor:
+    """Layer ``layer``'s :func:`~stages.model.attention.paged_attention` between its
+    connector hooks (the load waited for before, the save started after)."""
+    if hooks is not None:
+        hooks.before_attention(layer)
+    o = paged_attention(q, k, v, kv_cache, meta, scale, layer)
+    if hooks is not None:
+        hooks.after_attention(layer)
+    return o
 
 
 def swiglu(refs: MLPRefs, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,7 +9,6 @@ so the event loop stays responsive. One call at a time (not thread-safe).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
@@ -21,10 +20,9 @@ from connectors.base import ForwardContext, KVConnectorWorker, ModelFingerprint
 from pipeline.artifacts import ModelOutput, SampledTokens, SchedulerOutput
 from pipeline.device_sync import DeviceSync, make_device_sync
 from pipeline.errors import StageError
-from pipeline.logger import get_logger
 from pipeline.logits import Logits
 from stages.model.attention import AttentionMetadata
-from stages.model.compiled_forward import CompiledForward, ineligible
+from stages.model.compiled_forward import CompiledForward, compiled_or_eager
 from stages.model.compute_thread import Compute, make_compute
 from stages.model.config import ModelConfig
 from stages.model.connector_hooks import ConnectorHooks
@@ -46,28 +44,6 @@ from stages.model.settings import RunnerSettings
 from stages.model.step_sampler import StepSampler
 
 __all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
-
-log = get_logger()
-
-
-def _compiled(
-    model: CausalLM, kv_caches: list[torch.Tensor], tp: TensorParallel, lora: bool
-) -> CausalLM | CompiledForward:
-    """``model``'s pass compiled and warmed up, or ``model`` itself (eager) where it
-    cannot be compiled, with one warning saying why (``torch_compile_fallback``)."""
-    reason = ineligible(model, kv_caches[0].device, tp, lora)
-    if reason is None:
-        compiled = CompiledForward(model)
-        start = time.perf_counter()
-        try:
-            compiled.warm_up(kv_caches)
-        except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...
-            reason = f"compilation failed: {type(exc).__name__}: {exc}"
-        else:
-            log.info("torch_compiled", seconds=round(time.perf_counter() - start, 3))
-            return compiled
-    log.warning("torch_compile_fallback", reason=reason, forward="eager")
-    return model
 
 
 def _compute(settings: RunnerSettings, rank: int) -> Compute:
@@ -174,7 +150,7 @@ class ModelRunner:
             self._lora.attach(self.model)
         self._forward: CausalLM | CompiledForward = self.model
         if settings.torch_compile:
-            self._forward = _compiled(self.model, self.kv_caches, tp, settings.enable_lora)
+            self._forward = compiled_or_eager(self.model, self.kv_caches, tp, settings.enable_lora)
         self._closed = False
 
     @classmethod

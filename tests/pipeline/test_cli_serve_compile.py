@@ -46,5 +46,7 @@ def test_a_served_model_runs_compiled(tmp_path: Path) -> None:
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 8
         assert server.health().json()["compiled"] is True
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert "kvstep_forward_compiled 1.0" in metrics
         log = server.log_text()
     assert "torch_compiled" in log and "torch_compile_fallback" not in log
