@@ -289,12 +289,17 @@ def paged_attention(
     write_kv(kv_cache, key, value, meta)
     num_heads, head_dim = query.shape[1:]
     kv_heads = key.shape[1]
+    decode = meta.decode
+    if decode is not None and decode.mirror is not None and not meta.prefills:
+        whole = decode.first_row == 0 and decode.token_rows.shape[0] == query.shape[0]
+        if whole and decode.mirror.order is None:  # every row, in slot order: no copy into out
+            return _decode_mirrored(query, key, value, kv_cache, decode, None, scale, layer)
     out = torch.empty_like(query)
-    if meta.decode is not None:
-        if meta.decode.mirror is None:
-            _decode(query, kv_cache, meta.decode, out, scale, kv_heads, num_heads)
+    if decode is not None:
+        if decode.mirror is None:
+            _decode(query, kv_cache, decode, out, scale, kv_heads, num_heads)
         else:
-            _decode_mirrored(query, kv_cache, meta.decode, out, scale, layer, num_heads)
+            _decode_mirrored(query, key, value, kv_cache, decode, out, scale, layer)
     for chunk in meta.prefills:
         q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         if chunk.block_ids is None:
@@ -329,7 +334,7 @@ def _decode(
     n = batch.token_rows.shape[0]
     head_dim = query.shape[-1]
     first = batch.first_row
-    q = query[first : first + n] if first is not None else query.index_select(0, batch.token_rows)
+    q = _rows(query, first, n, batch.token_rows)
     flat = batch.block_table.view(-1)
     k = kv_cache[0].index_select(0, flat).view(n, -1, kv_heads, head_dim).transpose(1, 2)
     v = kv_cache[1].index_select(0, flat).view(n, -1, kv_heads, head_dim).transpose(1, 2)
@@ -350,26 +355,34 @@ def _decode(
 
 def _decode_mirrored(
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     kv_cache: torch.Tensor,
     batch: DecodeBatch,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     scale: float,
     layer: int,
-    num_heads: int,
-) -> None:
+) -> torch.Tensor:
     """:func:`_decode` over the mirror's slots: the same keys, in the same order, of the
-    same count (``[key_start, seq_len)`` or the mask's span), so the same sums."""
+    same count (``[key_start, seq_len)`` or the mask's span), so the same sums. Writes
+    the decode rows of ``out``, or returns them alone (``[n, heads, head_dim]``, in batch
+    order) when ``out`` is ``None`` (the step is these rows, in slot order)."""
     mirror = batch.mirror
     assert mirror is not None
+    num_heads = query.shape[1]
     kv_heads, head_dim = kv_cache.shape[-2:]
     keys, values = mirror.keys[layer], mirror.values[layer]
-    # The positions each slot lacks (the new token at least), from the paged cache.
-    for buf, paged in ((keys, kv_cache[0]), (values, kv_cache[1])):
-        rows = paged.view(-1, kv_heads, head_dim).index_select(0, mirror.src)
-        buf.view(-1, head_dim).index_copy_(0, mirror.dst, rows.view(-1, head_dim))
     n = batch.token_rows.shape[0]
     first = batch.first_row
-    q = query[first : first + n] if first is not None else query.index_select(0, batch.token_rows)
+    if mirror.fresh:  # each slot lacks its new token only: the step's own, as written
+        for buf, new in ((keys, key), (values, value)):
+            rows = _rows(new, first, n, batch.token_rows)
+            buf.view(-1, head_dim).index_copy_(0, mirror.dst, rows.reshape(-1, head_dim))
+    else:  # the positions each slot lacks, from the paged cache
+        for buf, paged in ((keys, kv_cache[0]), (values, kv_cache[1])):
+            rows = paged.view(-1, kv_heads, head_dim).index_select(0, mirror.src)
+            buf.view(-1, head_dim).index_copy_(0, mirror.dst, rows.view(-1, head_dim))
+    q = _rows(query, first, n, batch.token_rows)
     mask = batch.mask
     if mirror.order is not None:  # decode rows into slot order
         q = q.index_select(0, mirror.order)
@@ -383,9 +396,17 @@ def _decode_mirrored(
     q = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     o = o.reshape(n, num_heads, head_dim)
+    if out is None:
+        return o.contiguous()  # as the op's fake result is (compiled_forward)
     if mirror.rows is not None:
         out.index_copy_(0, mirror.rows, o)
     elif first is not None:
         out[first : first + n] = o
     else:
         out.index_copy_(0, batch.token_rows, o)
+    return out
+
+
+def _rows(x: torch.Tensor, first: int | None, n: int, token_rows: torch.Tensor) -> torch.Tensor:
+    """The decode rows of ``x``: sliced when they are ``first..first+n-1``, else gathered."""
+    return x[first : first + n] if first is not None else x.index_select(0, token_rows)

@@ -18,7 +18,10 @@ The paged cache stays the source of truth; the mirror is a cache of it:
 * a step's decode requests are exactly the occupied slots ``0..n-1`` (one that is not in
   the batch leaves: its last slot moves into its hole, one row copy per layer); a slot
   that lacks positions copies them from the paged cache in the layer's attention, after
-  the step's K/V are written there and after a connector's load of that layer.
+  the step's K/V are written there and after a connector's load of that layer; when
+  every slot lacks only its new token (steady decoding: ``MirrorStep.fresh``) the layer
+  copies the step's new keys and values themselves, the values the paged cache just
+  got, without reading them back (two gathers fewer per layer).
 
 The buffers grow by doubling; a step that would take them past ``budget_bytes`` attends
 through the paged cache as before (counted in :attr:`DecodeMirror.fallbacks`, logged once).
@@ -56,6 +59,10 @@ class MirrorStep:
             ``s``.
         rows: ``[n]`` the flat-batch row of each slot's query (``token_rows[order]``), or
             ``None`` with ``order``.
+        fresh: Whether each slot lacks only its new token (steady decoding): ``src`` is
+            then the decode rows' own slots, in decode-batch order, and the layer copies
+            the step's new keys and values straight into ``dst`` (the same values the
+            paged cache got) instead of reading them back from the cache.
     """
 
     keys: Sequence[torch.Tensor]
@@ -64,6 +71,7 @@ class MirrorStep:
     dst: torch.Tensor
     order: torch.Tensor | None
     rows: torch.Tensor | None
+    fresh: bool = False
 
 
 class DecodeMirror:
@@ -180,12 +188,14 @@ class DecodeMirror:
         dst: list[int] = []  # head 0's row; head h's is h * cap further
         order = [0] * n
         identity = True
+        fresh = True
         for i, r in enumerate(requests):
             slot = self._slot[r.req_id]
             order[slot] = i
             identity = identity and slot == i
             table = tables[r.req_id]
             held, ctx = self._lens[slot], r.num_computed_tokens
+            fresh = fresh and held == ctx
             base = slot * self.kv_heads * cap
             for pos in range(held, ctx + 1):
                 src.append(table[pos // bs] * bs + pos % bs)
@@ -202,6 +212,7 @@ class DecodeMirror:
             dst=(dst_t[:, None] + heads[None, :]).view(-1),
             order=order_t,
             rows=None if order_t is None else token_rows.index_select(0, order_t),
+            fresh=fresh,
         )
 
     def _bytes(self, slots: int, length: int) -> int:

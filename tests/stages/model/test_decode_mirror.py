@@ -20,6 +20,7 @@ import torch
 from pipeline.artifacts import ScheduledRequest, SchedulerOutput
 from pipeline.config import SamplingParams
 from stages.model import ModelRunner
+from stages.model.decode_mirror import DecodeMirror, MirrorStep
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 4
@@ -190,6 +191,30 @@ class TestDecodeMirror:
             for _ in range(60):
                 out = driver.next(6)
                 assert torch.equal(on.execute(out).logits, off.execute(out).logits)
+
+    def test_fresh_steps_copy_the_new_tokens(
+        self, llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Steady decoding (each slot lacking its new token only) copies the step's own
+        keys and values into the mirror; a slot lacking more (joined after its prefill,
+        cut back by rejected drafts) reads them from the paged cache. Both occur in the
+        random schedule, and the logits stay the gather's (bit for bit in bfloat16)."""
+        seen: list[bool] = []
+        step = DecodeMirror.step
+
+        def recording(self: DecodeMirror, *args: Any) -> MirrorStep | None:
+            result = step(self, *args)
+            if result is not None:
+                seen.append(result.fresh)
+            return result
+
+        monkeypatch.setattr(DecodeMirror, "step", recording)
+        for on, off in _runners(llama_dir, "bfloat16"):
+            driver = _Driver(7, on.num_blocks, drafts=True, preempt=False)
+            for _ in range(60):
+                out = driver.next(4)
+                assert torch.equal(on.execute(out).logits, off.execute(out).logits)
+        assert seen.count(True) > 10 and seen.count(False) > 5
 
     def test_dropped_requests_leave(self, llama_dir: Path) -> None:
         """Finished requests free their slots; ``drop_requests`` and ``close`` too."""
