@@ -287,13 +287,13 @@ def paged_attention(
         new tokens up to and including itself.
     """
     write_kv(kv_cache, key, value, meta)
-    num_heads, head_dim = query.shape[1:]
-    kv_heads = key.shape[1]
     decode = meta.decode
     if decode is not None and decode.mirror is not None and not meta.prefills:
         whole = decode.first_row == 0 and decode.token_rows.shape[0] == query.shape[0]
         if whole and decode.mirror.order is None:  # every row, in slot order: no copy into out
             return _decode_mirrored(query, key, value, kv_cache, decode, None, scale, layer)
+    num_heads, head_dim = query.shape[1:]
+    kv_heads = key.shape[1]
     out = torch.empty_like(query)
     if decode is not None:
         if decode.mirror is None:
