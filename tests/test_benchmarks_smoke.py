@@ -31,6 +31,7 @@ TINY_ARGS = {
         "64",
     ],
     "detokenize.py": ["--lengths", "50", "--repeats", "1"],
+    "sampling.py": ["--vocabs", "2000", "--batches", "2", "--repeats", "2"],
     # part 3 (four server processes) is left out: it alone takes ~25 s on an idle box
     "disagg.py": [
         "--parts",

@@ -6,6 +6,7 @@ import torch
 
 from pipeline.config import SamplingParams
 from stages.model import Sampler, request_seed
+from stages.model.sampling import CANDIDATES
 
 CPU = torch.device("cpu")
 
@@ -135,3 +136,73 @@ class TestDistribution:
         freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 3000
         assert freq[2:].sum() == 0
         assert abs(freq[0].item() - 0.5 / 0.8) < 0.03
+
+
+class TestInverseCdf:
+    """One uniform per row, the first token whose cumulative probability exceeds it."""
+
+    def test_masked_tokens_are_never_drawn_at_either_end_of_u(self) -> None:
+        """u = 0 and u just below 1 (whose product with the total rounds up to it)
+        still land on tokens with probability, never on a masked one around them."""
+        logits = torch.tensor([[float("-inf"), 0.0, float("-inf"), 1.0, float("-inf")]])
+        sampler = Sampler(seed=0, device=CPU)
+        params = [SamplingParams(temperature=1.0)]
+        for u in (0.0, 0.5, 1.0 - 2.0**-53):
+            sampler._uniforms = lambda *_, u=u: torch.tensor([u], dtype=torch.float64)  # type: ignore[method-assign]
+            token = sampler.sample(logits, params, [0])[0]
+            assert token in (1, 3), (u, token)
+        sampler._uniforms = lambda *_: torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)  # type: ignore[method-assign]
+        assert sampler.sample(logits, params, [0]) == [3]  # the last token with mass
+
+    def test_a_row_without_a_finite_logit_fails_alone(self) -> None:
+        logits = torch.tensor([[0.0, 1.0, 2.0], [float("-inf")] * 3, [2.0, 1.0, 0.0]])
+        params = [SamplingParams(temperature=1.0)] * 3
+        tokens, errors = Sampler(seed=0, device=CPU).sample_rows(logits, params, [0, 0, 0])
+        assert list(errors) == [1] and "finite logit" in errors[1]
+        assert tokens[1] is None and tokens[0] in (0, 1, 2) and tokens[2] in (0, 1, 2)
+
+    def test_one_random_number_per_row(self) -> None:
+        """The shared generator advances by one draw per unseeded row, whatever the
+        vocabulary: a request's token does not depend on the vocabulary's size."""
+        small, large = _logits(4, vocab=8, seed=1), _logits(4, vocab=50_000, seed=1)
+        params = [SamplingParams(temperature=1.0)] * 4
+        a, b = Sampler(seed=5, device=CPU), Sampler(seed=5, device=CPU)
+        a.sample(small, params, [0] * 4)
+        b.sample(large, params, [0] * 4)
+        assert a._generator.get_state().equal(b._generator.get_state())
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> set[int]:
+    probs, order = logits.softmax(-1).sort(descending=True)
+    before = probs.cumsum(-1) - probs
+    return set(order[before < top_p].tolist())
+
+
+class TestRankedCandidates:
+    """top-k/top-p rank only a row's best tokens when that is exact (a large vocabulary)."""
+
+    def test_a_narrow_nucleus_is_drawn_from_the_candidates(self) -> None:
+        logits = _logits(1, vocab=5000, seed=4) * 4  # peaked: a nucleus of a few tokens
+        nucleus = _nucleus(logits[0], 0.9)
+        assert len(nucleus) < 50
+        params = [SamplingParams(temperature=1.0, top_p=0.9)] * 3000
+        tokens = Sampler(seed=0, device=CPU).sample(logits.repeat(3000, 1), params, [0] * 3000)
+        assert set(tokens) == nucleus
+
+    def test_a_wide_nucleus_reaches_past_the_candidates(self) -> None:
+        """A flat row's nucleus is larger than CANDIDATES: the whole row is ranked, and
+        tokens ranked beyond the candidates are drawn."""
+        logits = _logits(1, vocab=5000, seed=4) * 0.1
+        nucleus = _nucleus(logits[0], 0.95)
+        assert len(nucleus) > CANDIDATES
+        beyond = set(logits[0].topk(5000).indices[CANDIDATES:].tolist())
+        params = [SamplingParams(temperature=1.0, top_p=0.95)] * 3000
+        tokens = set(Sampler(seed=0, device=CPU).sample(logits.repeat(3000, 1), params, [0] * 3000))
+        assert tokens <= nucleus and tokens & beyond
+
+    def test_top_k_and_top_p_rows_in_one_batch(self) -> None:
+        logits = torch.cat([_logits(1, vocab=5000, seed=5) * 4] * 2)
+        params = [SamplingParams(temperature=1.0, top_k=3), SamplingParams(top_p=0.8)] * 1000
+        tokens = Sampler(seed=0, device=CPU).sample(logits.repeat(1000, 1), params, [0] * 2000)
+        assert set(tokens[0::2]) == set(logits[0].topk(3).indices.tolist())
+        assert set(tokens[1::2]) == _nucleus(logits[0], 0.8)
