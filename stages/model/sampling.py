@@ -7,11 +7,11 @@ same whatever else is in the batch and however often it was preempted. Requests
 without a seed share one engine generator seeded from ``EngineConfig.seed``.
 
 A sampled row draws one uniform number ``u`` and takes the first token whose cumulative
-probability (float64) exceeds ``u`` times the row's total: exactly a draw from ``p``,
-vectorised over the batch, and one random number per row rather than one per vocabulary
-entry (the exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)``, draws a whole
-vocabulary of exponentials per row: 4.8 ms for 8 rows of 32,000 on a 2-core AMD EPYC,
-against 0.3 ms for this). Greedy rows are one ``argmax``.
+probability (summed in float64 on a CPU) exceeds ``u`` times the row's total: exactly a
+draw from ``p``, vectorised over the batch, and one random number per row rather than one
+per vocabulary entry (the exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)``, draws
+a whole vocabulary of exponentials per row: 4.8 ms for 8 rows of 32,000 on a 2-core AMD
+EPYC, against 0.3 ms for this). Greedy rows are one ``argmax``.
 
 :meth:`Sampler.sample_rows` isolates failures: when the batched path raises, every row
 is sampled alone, and a row that still raises is reported (its request fails alone)
@@ -387,7 +387,7 @@ class Sampler:
         choice = torch.searchsorted(cdf, target, right=True)[:, 0]
         # the first token whose cumulative probability exceeds u * total (one whose
         # probability is zero never does: its bound equals the one before it)
-        if bool((choice >= vocab).any()):  # u * total rounded up to total, or NaN
+        if bool((choice >= cdf.shape[-1]).any()):  # u * total rounded up to it, or NaN
             if not bool((total > 0).all()):
                 bad = (~(total[:, 0] > 0)).nonzero()[:, 0].tolist()
                 raise ValueError(f"rows {bad} have no token with a finite logit to sample")

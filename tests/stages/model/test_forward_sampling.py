@@ -154,6 +154,15 @@ class TestInverseCdf:
         sampler._uniforms = lambda *_: torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)  # type: ignore[method-assign]
         assert sampler.sample(logits, params, [0]) == [3]  # the last token with mass
 
+    def test_the_top_edge_of_u_among_ranked_candidates(self) -> None:
+        """u just below 1 with top_k (only the best tokens ranked): the last of them,
+        not an index past the candidates."""
+        logits = _logits(1, vocab=5000, seed=6)
+        sampler = Sampler(seed=0, device=CPU)
+        sampler._uniforms = lambda *_: torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)  # type: ignore[method-assign]
+        token = sampler.sample(logits, [SamplingParams(temperature=1.0, top_k=3)], [0])[0]
+        assert token == logits[0].topk(3).indices[2].item()
+
     def test_a_row_without_a_finite_logit_fails_alone(self) -> None:
         logits = torch.tensor([[0.0, 1.0, 2.0], [float("-inf")] * 3, [2.0, 1.0, 0.0]])
         params = [SamplingParams(temperature=1.0)] * 3
