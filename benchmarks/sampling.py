@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -61,13 +62,10 @@ def exponential_race(logits: torch.Tensor, p: SamplingParams, gen: torch.Generat
     return (probs / q).argmax(dim=-1).tolist()  # type: ignore[no-any-return]
 
 
-def _median_s(fn: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = perf_counter()
-        fn()
-        times.append(perf_counter() - start)
-    return statistics.median(times)
+def _seconds(fn: Callable[[], object]) -> float:
+    start = perf_counter()
+    fn()
+    return perf_counter() - start
 
 
 def measure(vocab: int, batch: int, name: str, repeats: int) -> dict[str, Any]:
@@ -86,7 +84,7 @@ def measure(vocab: int, batch: int, name: str, repeats: int) -> dict[str, Any]:
     for r in range(repeats):
         pair = [(t_ours, ours), (t_base, theirs)]
         for sink, fn in pair if r % 2 == 0 else pair[::-1]:
-            sink.append(_median_s(fn, 1))
+            sink.append(_seconds(fn))
     ours_ms, base_ms = statistics.median(t_ours) * 1e3, statistics.median(t_base) * 1e3
     return {"vocab": vocab, "batch": batch, "setting": name, "kvstep_ms": round(ours_ms, 3),
             "baseline_ms": round(base_ms, 3), "speedup": round(base_ms / ours_ms, 2)}  # fmt: skip
