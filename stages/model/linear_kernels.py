@@ -87,9 +87,27 @@ def _onednn_ops() -> bool:
     )
 
 
-def available_kernels(device: torch.device) -> tuple[str, ...]:
-    """The candidates this torch offers on ``device`` (only ``"mkl"`` off the CPU)."""
-    if device.type != "cpu" or not _onednn_ops():
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and runs a linear layer in ``dtype`` on this CPU, tried on an
+    8x8 weight. Its bfloat16 path needs AVX512 BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only
+    CPU (or one whose oneDNN is capped below them by ``ONEDNN_MAX_CPU_ISA``) torch raises
+    at packing, so a bfloat16 model's load failed there while timing the candidates."""
+    try:
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+            x = torch.zeros(1, 8, dtype=dtype)
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def available_kernels(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """The candidates this torch offers on ``device`` for weights of ``dtype``: only
+    ``"mkl"`` off the CPU, or where oneDNN cannot pack ``dtype`` (bfloat16 on an AVX2-only
+    CPU)."""
+    if device.type != "cpu" or not _onednn_ops() or not _onednn_packs(dtype):
         return ("mkl",)
     return KERNELS
 
@@ -296,14 +314,15 @@ def choose_kernel(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     shape weighted by how many projections have it), summed over :data:`TIMED_ROWS`.
 
     Raises:
-        InvalidConfigError: A forced kernel this machine does not have.
+        InvalidConfigError: A forced kernel this machine does not have (for ``dtype``).
     """
-    available = available_kernels(device)
+    available = available_kernels(device, dtype)
     wanted = requested_kernel()
     if wanted != "auto":
         if wanted not in available:
+            where = f"here for {str(dtype).removeprefix('torch.')}"
             raise InvalidConfigError(
-                ENV, wanted, f"is not available here; available: {', '.join(available)}"
+                ENV, wanted, f"is not available {where}; available: {', '.join(available)}"
             )
         return KernelChoice(wanted, forced=True)
     if len(available) == 1:

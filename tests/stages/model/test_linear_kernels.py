@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,12 +26,18 @@ CPU = torch.device("cpu")
 ONEDNN = pytest.mark.skipif("onednn" not in lk.available_kernels(CPU), reason="no oneDNN")
 
 
+def _needs_onednn(dtype: torch.dtype) -> None:
+    if "onednn" not in lk.available_kernels(CPU, dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+
+
 class TestPackedLinear:
     @ONEDNN
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("bias", [False, True])
     def test_equals_f_linear(self, dtype: torch.dtype, bias: bool) -> None:
         """A prepacked layer gives F.linear's output (fp32 to rounding), any row count."""
+        _needs_onednn(dtype)
         torch.manual_seed(0)
         linear = nn.Linear(64, 96, bias=bias, dtype=dtype)
         packed = lk.PackedLinear(linear)
@@ -47,6 +57,7 @@ class TestFusedProjections:
     def test_parts_equal_their_own_linears(self, dtype: torch.dtype, bias: bool) -> None:
         """One GEMM for three projections: each part's columns are its F.linear (fp32 to
         rounding), called through the fused module or alone; its bias is its slice."""
+        _needs_onednn(dtype)
         torch.manual_seed(0)
         linears = [nn.Linear(64, n, bias=bias, dtype=dtype) for n in (96, 32, 32)]
         fused = lk.FusedPackedLinear(linears)
@@ -161,7 +172,7 @@ class TestChoice:
     def test_a_kernel_this_machine_lacks_is_refused(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Forcing oneDNN where it is not available names what is."""
         monkeypatch.setenv(lk.ENV, "onednn")
-        monkeypatch.setattr(lk, "available_kernels", lambda device: ("mkl",))
+        monkeypatch.setattr(lk, "available_kernels", lambda device, dtype: ("mkl",))
         with pytest.raises(InvalidConfigError, match="available: mkl"):
             lk.choose_kernel(nn.Module(), CPU, torch.float32)
 
@@ -176,6 +187,53 @@ class TestChoice:
             runner.close()
         assert set(choice.seconds) == set(lk.KERNELS) and not choice.forced
         assert choice.kernel == min(choice.seconds, key=lambda k: choice.seconds[k])
+
+    def test_a_dtype_onednn_cannot_pack_leaves_mkl(self, tmp_path: Path) -> None:
+        """oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, what an AVX2-only CPU has)
+        cannot pack bfloat16: a bfloat16 model loads on MKL untimed (the timing of the
+        candidates raised in oneDNN's packing before), float32 keeps both candidates, and
+        forcing oneDNN for bfloat16 is refused naming the dtype and what is available."""
+        script = tmp_path / "capped.py"
+        script.write_text(
+            "import json, os, torch\n"
+            "from pipeline.errors import InvalidConfigError\n"
+            "from stages.model import ModelRunner, linear_kernels as lk\n"
+            "cpu = torch.device('cpu')\n"
+            "out = {'float32': lk.available_kernels(cpu),\n"
+            "       'bfloat16': lk.available_kernels(cpu, torch.bfloat16)}\n"
+            "os.environ[lk.ENV] = 'auto'\n"
+            "runner = ModelRunner.load('builtin:tiny', dtype='bfloat16', device='cpu',\n"
+            "                          num_blocks=8)\n"
+            "out['loaded'] = runner.linear_kernel\n"
+            "runner.close()\n"
+            "os.environ[lk.ENV] = 'onednn'\n"
+            "try:\n"
+            "    lk.choose_kernel(torch.nn.Module(), cpu, torch.bfloat16)\n"
+            "except InvalidConfigError as exc:\n"
+            "    out['forced'] = str(exc)\n"
+            "print(json.dumps(out))\n"
+        )
+        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                              text=True, cwd=Path(__file__).parents[3], timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert out["bfloat16"] == ["mkl"] and out["loaded"] == "mkl"
+        assert out["float32"] == list(lk.available_kernels(CPU))
+        assert "for bfloat16; available: mkl" in out["forced"] and lk.ENV in out["forced"]
+
+    def test_float16_loads_whichever_kernels_can_pack_it(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A float16 model loads with the kernel timed among those that pack float16 here
+        (oneDNN needs AVX512-FP16 or AVX-NE-CONVERT: without them its load failed)."""
+        monkeypatch.setenv(lk.ENV, "auto")
+        runner = ModelRunner.load("builtin:tiny", dtype="float16", device="cpu", num_blocks=8)
+        try:
+            assert runner.linear_kernel in lk.available_kernels(CPU, torch.float16)
+            assert next(runner.model.parameters()).dtype == torch.float16
+        finally:
+            runner.close()
 
 
 @ONEDNN
@@ -203,6 +261,8 @@ class TestEveryKernelKeepsTransformersResults:
         self, hf_checkpoint: HFGet, kernel: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """bfloat16 greedy tokens equal transformers' bfloat16 with the kernel forced."""
+        if kernel not in lk.available_kernels(CPU, torch.bfloat16):
+            pytest.skip(f"{kernel} cannot pack bfloat16 on this CPU")
         monkeypatch.setenv(lk.ENV, kernel)
         _, path = hf_checkpoint("llama_gqa")
         gen = torch.Generator().manual_seed(3)
