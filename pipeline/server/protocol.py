@@ -23,7 +23,15 @@ if TYPE_CHECKING:
     from pipeline.server.drain import Drain
     from pipeline.server.options import ServerOptions
 
-__all__ = ["header_timeout_protocol", "run_uvicorn"]
+__all__ = ["SERVER_LOOP", "header_timeout_protocol", "run_uvicorn"]
+
+SERVER_LOOP = "asyncio"
+"""uvicorn's event loop for ``kvstep serve``: asyncio's own, not uvicorn's default
+``"auto"``, which takes uvloop whenever it imports (installed beside vLLM or with
+``uvicorn[standard]``). With uvloop, ``kvstep serve`` measured slower under ``vllm bench
+serve`` at 6 requests/s on a 2-core AMD EPYC, bfloat16: TPOT 13.6-15.1 ms against
+11.8-14.1 on asyncio's loop, TTFT 89-94 against 78-94 ms, asyncio's better in each of five
+alternating pairs (README, "On the CPU")."""
 
 _log = get_logger()
 
@@ -100,6 +108,7 @@ def run_uvicorn(
             access_log=access_log,
             lifespan="on",
             http=header_timeout_protocol(options.header_timeout_s),
+            loop=SERVER_LOOP,
             timeout_keep_alive=max(1, round(options.timeout_keep_alive_s)),
             limit_concurrency=options.limit_concurrency,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,  # type: ignore[arg-type]  # a float
