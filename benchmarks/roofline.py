@@ -263,10 +263,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--model-path", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.engine != "both" and args.model_path is None:
-        parser.error(f"--engine {args.engine} times one engine over --model-path (a checkpoint)")
 
     if args.engine != "both":  # a child process of the run below
+        if args.model_path is None:
+            parser.error(f"--engine {args.engine} times one engine over --model-path")
         timer = time_kvstep if args.engine == "kvstep" else time_transformers
         child = timer(args.model_path, args)
         args.json.write_text(json.dumps(child))

@@ -320,9 +320,9 @@ def choose_kernel(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     wanted = requested_kernel()
     if wanted != "auto":
         if wanted not in available:
-            where = f"here for {str(dtype).removeprefix('torch.')}"
+            name = str(dtype).removeprefix("torch.")
             raise InvalidConfigError(
-                ENV, wanted, f"is not available {where}; available: {', '.join(available)}"
+                ENV, wanted, f"is not available here for {name}; available: {', '.join(available)}"
             )
         return KernelChoice(wanted, forced=True)
     if len(available) == 1:

@@ -191,7 +191,8 @@ class TestChoice:
     def test_a_dtype_onednn_cannot_pack_leaves_mkl(self, tmp_path: Path) -> None:
         """oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, what an AVX2-only CPU has)
         cannot pack bfloat16: a bfloat16 model loads on MKL untimed (the timing of the
-        candidates raised in oneDNN's packing before), float32 keeps both candidates, and
+        candidates raised in oneDNN's packing before), its ``linear_kernel_chosen`` log
+        naming MKL the only candidate; float32 keeps both candidates, and
         forcing oneDNN for bfloat16 is refused naming the dtype and what is available."""
         script = tmp_path / "capped.py"
         script.write_text(
@@ -201,10 +202,14 @@ class TestChoice:
             "cpu = torch.device('cpu')\n"
             "out = {'float32': lk.available_kernels(cpu),\n"
             "       'bfloat16': lk.available_kernels(cpu, torch.bfloat16)}\n"
+            "import structlog.testing\n"
             "os.environ[lk.ENV] = 'auto'\n"
-            "runner = ModelRunner.load('builtin:tiny', dtype='bfloat16', device='cpu',\n"
-            "                          num_blocks=8)\n"
+            "with structlog.testing.capture_logs() as logs:\n"
+            "    runner = ModelRunner.load('builtin:tiny', dtype='bfloat16', device='cpu',\n"
+            "                              num_blocks=8)\n"
             "out['loaded'] = runner.linear_kernel\n"
+            "out['logged'] = [e['candidates'] for e in logs\n"
+            "                 if e['event'] == 'linear_kernel_chosen']\n"
             "runner.close()\n"
             "os.environ[lk.ENV] = 'onednn'\n"
             "try:\n"
@@ -219,6 +224,7 @@ class TestChoice:
         assert done.returncode == 0, done.stderr[-2000:]
         out = json.loads(done.stdout.strip().splitlines()[-1])
         assert out["bfloat16"] == ["mkl"] and out["loaded"] == "mkl"
+        assert out["logged"] == [["mkl"]]  # the log says why oneDNN was not timed
         assert out["float32"] == list(lk.available_kernels(CPU))
         assert "for bfloat16; available: mkl" in out["forced"] and lk.ENV in out["forced"]
 
