@@ -245,14 +245,20 @@ def hooked_attention(
 def swiglu(refs: MLPRefs, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))``, added to ``residual`` when one is given.
 
-    The SiLU and the product are computed in place, in the gate projection's fresh output:
-    the same operations in the same order, without two ``[tokens, intermediate]``
-    temporaries that a prefill would allocate (and the kernel page in) again every layer.
+    Eagerly, the SiLU and the product are computed in place, in the gate projection's
+    fresh output: the same operations in the same order, without two ``[tokens,
+    intermediate]`` temporaries that a prefill would allocate (and the kernel page in)
+    again every layer. Compiled, out of place: inductor fuses both into one loop over
+    the product's half (an in-place SiLU on half of the packed gate | up output costs
+    it a masked pass over whole rows first; half the prefill's pointwise time).
     """
     gate_p, up_p, down_p = refs
     if up_p is None:  # one GEMM for both: its columns are gate | up
         gate, up = _project(gate_p, x).chunk(2, -1)
-        h = torch.mul(F.silu(gate, inplace=True), up)  # contiguous, for the down projection
+        if torch.compiler.is_compiling():
+            h = F.silu(gate) * up
+        else:
+            h = torch.mul(F.silu(gate, inplace=True), up)  # contiguous, for the down projection
     else:
         h = F.silu(_project(gate_p, x), inplace=True).mul_(_project(up_p, x))
     return _onto(down_p, h, residual)

@@ -246,7 +246,19 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by the per-token ``cos``/``sin`` ``[T, 1, head_dim]``."""
+    """Rotate ``x [T, heads, head_dim]`` by the per-token ``cos``/``sin`` ``[T, 1, head_dim]``.
+
+    ``x * cos + rotate_half(x) * sin`` (transformers' form) eagerly, with two temporaries
+    fewer. Compiled, the same products and sums per half, concatenated: inductor then
+    writes the result in one parallel loop, where the negated, concatenated copy of
+    ``x`` costs it four single-threaded ones first. The values are equal bit for bit
+    (``a + (-b) * s`` rounds as ``a - b * s``; each product is rounded where eager
+    rounds it, see :mod:`stages.model.compiled_forward`).
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    if torch.compiler.is_compiling():
+        first = x1 * cos[..., :half] - x2 * sin[..., :half]
+        return torch.cat((first, x2 * cos[..., half:] + x1 * sin[..., half:]), dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos).add_(rotated.mul_(sin))  # x * cos + rotated * sin, two temporaries fewer

@@ -17,6 +17,8 @@ from test_forward_logits import _check_against_hf
 from stages.model import ModelRunner
 from stages.model import compiled_forward as cf
 from stages.model import linear_kernels as lk
+from stages.model.layers import swiglu
+from stages.model.rope import apply_rotary
 
 HFGet = Callable[[str], tuple[Any, Path]]
 CPU = torch.device("cpu")
@@ -101,6 +103,44 @@ def _finish(driver: Any, req_id: str) -> Any:
     driver.step_id += 1
     finished = frozenset({req_id})
     return SchedulerOutput(step_id=driver.step_id, requests=(), finished_req_ids=finished)
+
+
+class TestPointwiseForms:
+    """The rotary embedding and the SwiGLU product have a form of their own under
+    ``torch.compile`` (one parallel loop each for inductor): bit for bit the eager one's,
+    in bfloat16 and float32, at a decode step's rows and a prefill's."""
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+    def test_rotary_equals_eager(self, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(0)
+        table = torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen)
+
+        def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            cos, sin = (t.index_select(0, positions).to(dtype)[:, None, :] for t in table)
+            return apply_rotary(x, cos, sin)
+
+        compiled = torch.compile(rotate, dynamic=True, options=cf._INDUCTOR)
+        for rows in (1, 3, 40):
+            x = torch.randn(rows, 4, 64, generator=gen).to(dtype)
+            positions = torch.randint(0, 64, (rows,), generator=gen)
+            assert torch.equal(compiled(x, positions), rotate(x, positions)), rows
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+    def test_packed_swiglu_equals_eager(self, dtype: torch.dtype) -> None:
+        # Identity projections: the pointwise part alone (inductor may sum a one-row
+        # GEMM in another order than the eager kernel, which is not this test's subject).
+        gen = torch.Generator().manual_seed(1)
+        identity = torch.nn.Identity()
+
+        def mlp(gate_up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return swiglu((identity, None, identity), gate_up, residual)
+
+        compiled = torch.compile(mlp, dynamic=True, options=cf._INDUCTOR)
+        for rows in (1, 3, 40):
+            gate_up = torch.randn(rows, 2 * 96, generator=gen).to(dtype)
+            residual = torch.randn(rows, 96, generator=gen).to(dtype)
+            eager = mlp(gate_up.clone(), residual)  # in place, in its own copy
+            assert torch.equal(compiled(gate_up, residual), eager), rows
 
 
 class TestEager:
