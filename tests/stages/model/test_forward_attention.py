@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from stages.model import (
     kv_cache_block_bytes,
     paged_attention,
 )
-from stages.model.attention import sliding_window_metadata
+from stages.model.attention import PAD_MIN_NEW_TOKENS, pads_queries, sliding_window_metadata
 from stages.model.decode_inputs import DecodeBuffers
 
 CPU = torch.device("cpu")
@@ -94,6 +95,57 @@ class TestAttentionMetadata:
             got = out[rows : rows + len(ref)]
             rows += len(ref)
             assert torch.allclose(got, ref, atol=1e-5), n
+
+
+class TestPaddedQueries:
+    """A long chunk over a short cached context attends through a square causal call
+    over zero-padded queries (faster in torch's CPU kernel), the masked call's values."""
+
+    def test_when_it_pads(self) -> None:
+        assert pads_queries(128, 1024, CPU) and pads_queries(64, PAD_MIN_NEW_TOKENS, CPU)
+        assert not pads_queries(0, 1024, CPU)  # no context: causal already
+        assert not pads_queries(512, 512, CPU)  # as long a context: the mask is faster
+        assert not pads_queries(64, PAD_MIN_NEW_TOKENS - 1, CPU)
+        assert not pads_queries(128, 1024, torch.device("cuda"))  # measured on a CPU only
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_equals_the_masked_call_bit_for_bit(self, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(0)
+        bs, heads, kv_heads, hd, ctx, new = 16, 4, 2, 8, 100, 800
+        cache = torch.zeros(2, 64, bs, kv_heads, hd, dtype=dtype)
+        table = [list(range(3, 3 + 57))]
+        q, k, v = (torch.randn(ctx + new, h, hd, generator=gen).to(dtype)
+                   for h in (heads, kv_heads, kv_heads))  # fmt: skip
+        first = build_attention_metadata(
+            query_lens=[ctx], context_lens=[0], block_tables=table, block_size=bs, device=CPU
+        )
+        paged_attention(q[:ctx], k[:ctx], v[:ctx], cache, first, hd**-0.5)
+        meta = build_attention_metadata(
+            query_lens=[new], context_lens=[ctx], block_tables=table, block_size=bs, device=CPU
+        )
+        (chunk,) = meta.prefills
+        assert chunk.pad_queries and chunk.mask is None
+        out = paged_attention(q[ctx:], k[ctx:], v[ctx:], cache, meta, hd**-0.5)
+        visible = torch.arange(ctx + new)[None, :] <= torch.arange(ctx, ctx + new)[:, None]
+        masked = attrs.evolve(
+            meta, prefills=(attrs.evolve(chunk, pad_queries=False, mask=visible),)
+        )
+        assert torch.equal(out, paged_attention(q[ctx:], k[ctx:], v[ctx:], cache, masked, hd**-0.5))
+        ref = F.scaled_dot_product_attention(
+            q.transpose(0, 1).float(),
+            k.repeat_interleave(2, 1).transpose(0, 1).float(),
+            v.repeat_interleave(2, 1).transpose(0, 1).float(),
+            is_causal=True,
+        ).transpose(0, 1)[ctx:]
+        assert torch.allclose(out.float(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+    def test_a_sliding_window_keeps_its_band(self) -> None:
+        meta = build_attention_metadata(
+            query_lens=[800], context_lens=[100], block_tables=[list(range(57))],
+            block_size=16, device=CPU,
+        )  # fmt: skip
+        (chunk,) = sliding_window_metadata(meta, 64).prefills
+        assert not chunk.pad_queries and chunk.mask is not None
 
 
 def _band(n: int, window: int) -> torch.Tensor:
