@@ -87,10 +87,8 @@ class PrefillChunk:
         seq_len: ``context_len + (end - start)``.
         block_ids: Blocks holding the whole context, or ``None`` when ``context_len`` is 0
             (the chunk then attends to its own fresh K/V, causally).
-        mask: ``[L, seq_len]``, True where key ``j`` is visible to query ``i``, or ``None``.
-        pad_queries: Attend over the context without a mask: the queries are put after
-            ``context_len`` zero rows and the square call is causal (``mask`` is then
-            ``None``), the same values bit for bit (:func:`pads_queries`).
+        mask: ``[L, seq_len]``, True where key ``j`` is visible to query ``i``, or ``None``
+            (no context, or :attr:`pad_queries`).
     """
 
     start: int
@@ -99,7 +97,13 @@ class PrefillChunk:
     seq_len: int
     block_ids: torch.Tensor | None
     mask: torch.Tensor | None
-    pad_queries: bool = False
+
+    @property
+    def pad_queries(self) -> bool:
+        """Whether the chunk attends over its context without a mask: its queries put
+        after ``context_len`` zero rows, the square call causal, the same values bit for
+        bit (:func:`pads_queries` decided it, so no mask was built)."""
+        return self.context_len > 0 and self.mask is None
 
 
 PAD_MIN_NEW_TOKENS = 768
@@ -216,9 +220,8 @@ def build_attention_metadata(
     for idx in np.flatnonzero(q_lens > 1):
         j = int(idx)
         c, s, n = int(ctx[j]), int(seq[j]), int(needed[j])
-        pad = pads_queries(c, s - c, device)
         mask = None
-        if c and not pad:
+        if c and not pads_queries(c, s - c, device):
             q_pos = c + np.arange(int(q_lens[j]))
             mask = to_dev(np.arange(s)[None, :] <= q_pos[:, None])
         prefills.append(
@@ -229,7 +232,6 @@ def build_attention_metadata(
                 seq_len=s,
                 block_ids=to_dev(table[j, :n].copy()) if c else None,
                 mask=mask,
-                pad_queries=pad,
             )
         )
     return AttentionMetadata(
@@ -273,9 +275,7 @@ def sliding_window_metadata(meta: AttentionMetadata, window: int) -> AttentionMe
             decode = attrs.evolve(decode, mask=decode.mask & recent[:, None, None, :])
     device = meta.positions.device
     prefills = tuple(
-        chunk
-        if chunk.seq_len <= window
-        else attrs.evolve(chunk, mask=_band(chunk, window, device), pad_queries=False)
+        chunk if chunk.seq_len <= window else attrs.evolve(chunk, mask=_band(chunk, window, device))
         for chunk in meta.prefills
     )
     return attrs.evolve(meta, decode=decode, prefills=prefills)

@@ -228,11 +228,14 @@ class KernelChoice:
         forced: Whether ``$KVSTEP_LINEAR_KERNEL`` named it (no timing then).
         seconds: Per candidate, its seconds per token over the model's projection
             shapes, summed over :data:`TIMED_ROWS` (empty when forced or alone).
+        candidates: The kernels this machine has for the dtype
+            (:func:`available_kernels`).
     """
 
     kernel: str
     forced: bool = False
     seconds: Mapping[str, float] = attrs.field(factory=dict)
+    candidates: tuple[str, ...] = ()
 
 
 def _parents(model: nn.Module) -> Iterable[nn.Module]:
@@ -324,19 +327,20 @@ def choose_kernel(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
             raise InvalidConfigError(
                 ENV, wanted, f"is not available here for {name}; available: {', '.join(available)}"
             )
-        return KernelChoice(wanted, forced=True)
+        return KernelChoice(wanted, forced=True, candidates=available)
     if len(available) == 1:
-        return KernelChoice(available[0])
+        return KernelChoice(available[0], candidates=available)
     shapes: dict[tuple[int, int], int] = {}
     head = _untied_head(model)
     for linear in [*(linear for _, _, linear in _projections(model)), *([head] if head else [])]:
         key = (linear.out_features, linear.in_features)
         shapes[key] = shapes.get(key, 0) + 1
     if not shapes:
-        return KernelChoice("mkl")
+        return KernelChoice("mkl", candidates=available)
     seconds = {kernel: _time(kernel, shapes, dtype) for kernel in available}
     best = min(available, key=lambda kernel: seconds[kernel])  # ties: the earlier one
-    return KernelChoice(best, seconds={k: round(v, 6) for k, v in seconds.items()})
+    seconds = {k: round(v, 6) for k, v in seconds.items()}
+    return KernelChoice(best, seconds=seconds, candidates=available)
 
 
 def apply_kernel(model: nn.Module, kernel: str) -> int:

@@ -25,7 +25,7 @@ from stages.model.config import load_model_config
 from stages.model.cpu_allocator import keep_freed_memory
 from stages.model.cuda_graphs import GraphCapture
 from stages.model.kv_cache import default_num_blocks, kv_cache_block_bytes
-from stages.model.linear_kernels import apply_kernel, available_kernels, choose_kernel
+from stages.model.linear_kernels import apply_kernel, choose_kernel
 from stages.model.parallel import UNSHARDED, TensorParallel, check_tp_divisible
 from stages.model.settings import RunnerSettings
 
@@ -190,7 +190,7 @@ def _on_fastest_kernel(loaded: LoadedModel, dev: torch.device, dtype: torch.dtyp
         kernel=choice.kernel,
         forced=choice.forced,
         seconds=dict(choice.seconds),
-        candidates=list(available_kernels(dev, dtype)),  # without oneDNN where it can't pack
+        candidates=list(choice.candidates),  # without oneDNN where it can't pack
         dtype=str(dtype).removeprefix("torch."),
     )
     return attrs.evolve(loaded, linear_kernel=choice.kernel)

@@ -127,9 +127,7 @@ class TestPaddedQueries:
         assert chunk.pad_queries and chunk.mask is None
         out = paged_attention(q[ctx:], k[ctx:], v[ctx:], cache, meta, hd**-0.5)
         visible = torch.arange(ctx + new)[None, :] <= torch.arange(ctx, ctx + new)[:, None]
-        masked = attrs.evolve(
-            meta, prefills=(attrs.evolve(chunk, pad_queries=False, mask=visible),)
-        )
+        masked = attrs.evolve(meta, prefills=(attrs.evolve(chunk, mask=visible),))
         assert torch.equal(out, paged_attention(q[ctx:], k[ctx:], v[ctx:], cache, masked, hd**-0.5))
         ref = F.scaled_dot_product_attention(
             q.transpose(0, 1).float(),
