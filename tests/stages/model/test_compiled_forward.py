@@ -247,7 +247,7 @@ class TestGraphInputs:
     ) -> None:
         """The norms' epsilons and the attention scales are constants of both graphs: no
         float is wrapped into a tensor before a pass (dynamo's default makes each one an
-        input, ~2.5 us apiece, 2 per layer), and the pass equals the eager one."""
+        input, ~2.5 us apiece, three per layer), and the pass equals the eager one."""
         from stages.model.attention import build_attention_metadata
 
         runner = ModelRunner.load("builtin:tiny", device="cpu", num_blocks=64, torch_compile=True)
